@@ -1,0 +1,111 @@
+"""``RankBuilder``: write one rank's ops as "forward of this stage, backward of that stage".
+
+Most published schedules are described per rank as a sequence of F / B / W steps on the rank's
+stages, with microbatches taken in order. The builder numbers the microbatches, queues the W of
+every split backward (first in, first out, per stage or across the rank), pairs overlapped F&B
+steps, and skips steps whose microbatch is beyond the stage's count. That last rule lets a
+schedule written for a minimum microbatch count run fewer, the way PyTorch's ZB-V does.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+
+from cutpipe.schedule.codes import B_CODE, BW_CODE, KIND_BITS, W_CODE, Codec
+
+
+class RankBuilder:
+    """Emits the op codes of one rank."""
+
+    def __init__(
+        self, codec: Codec, microbatches: Mapping[int, Iterable[int]], steps: int = 0
+    ) -> None:
+        """``microbatches`` maps each stage this rank runs to the microbatch ids it runs, in order.
+
+        ``steps``: how many steps per stage the schedule is written for, if more than it has
+        microbatches; the steps past the last microbatch are skipped.
+        """
+        self._codec = codec
+        self._forward_codes = {
+            stage: [codec.action(0, stage, mb) for mb in ids] for stage, ids in microbatches.items()
+        }
+        self._steps = {stage: max(steps, len(c)) for stage, c in self._forward_codes.items()}
+        self._next_forward = dict.fromkeys(microbatches, 0)
+        self._next_backward = dict.fromkeys(microbatches, 0)
+        self._pending_w: deque[int] = deque()  # W codes in the order their B ran
+        self._pending_w_of: dict[int, deque[int]] = {s: deque() for s in microbatches}
+        self.codes: list[int] = []
+
+    def forwards_left(self, stage: int) -> int:
+        """How many forward steps of ``stage`` remain, skipped microbatches included."""
+        return self._steps[stage] - self._next_forward[stage]
+
+    def _forward(self, stage: int) -> int | None:
+        index = self._next_forward[stage]
+        self._next_forward[stage] = index + 1
+        codes = self._forward_codes[stage]
+        return codes[index] if index < len(codes) else None
+
+    def _backward(self, stage: int, split: bool) -> int | None:
+        index = self._next_backward[stage]
+        self._next_backward[stage] = index + 1
+        codes = self._forward_codes[stage]
+        if index >= len(codes):
+            return None
+        if split:
+            weight = codes[index] | W_CODE
+            self._pending_w.append(weight)
+            self._pending_w_of[stage].append(weight)
+            return codes[index] | B_CODE
+        return codes[index] | BW_CODE
+
+    def forward(self, stage: int) -> None:
+        """F of the next microbatch of ``stage``."""
+        index = self._next_forward[stage]
+        self._next_forward[stage] = index + 1
+        codes = self._forward_codes[stage]
+        if index < len(codes):
+            self.codes.append(codes[index])
+
+    def backward(self, stage: int, split: bool = False) -> None:
+        """Backward of the next microbatch of ``stage``: BW, or B with its W queued if ``split``."""
+        code = self._backward(stage, split)
+        if code is not None:
+            self.codes.append(code)
+
+    def weight(self, stage: int | None = None) -> None:
+        """W of the oldest pending split backward (of ``stage`` if given); nothing if none pends."""
+        queue = self._pending_w if stage is None else self._pending_w_of[stage]
+        if not queue:
+            return
+        code = queue.popleft()
+        # the same W sits in the other queue too: drop it there (it is at or near the front)
+        other = (
+            self._pending_w_of[(code >> KIND_BITS) % self._codec.num_stages]
+            if stage is None
+            else self._pending_w
+        )
+        other.remove(code)
+        self.codes.append(code)
+
+    def weights(self, stage: int | None = None) -> None:
+        """Every pending W (of ``stage`` if given), oldest first."""
+        queue = self._pending_w if stage is None else self._pending_w_of[stage]
+        while queue:
+            self.weight(stage)
+
+    def pending_weights(self, stage: int | None = None) -> int:
+        return len(self._pending_w if stage is None else self._pending_w_of[stage])
+
+    def overlap(self, forward_stage: int, backward_stage: int, split: bool = False) -> None:
+        """F of ``forward_stage`` and backward of ``backward_stage`` as one overlapped pair.
+
+        If one half's microbatch is skipped, the other half runs alone.
+        """
+        forward = self._forward(forward_stage)
+        backward = self._backward(backward_stage, split)
+        if forward is not None and backward is not None:
+            self.codes.append(self._codec.pair(forward, backward))
+        else:
+            self.codes.extend(code for code in (forward, backward) if code is not None)

@@ -1,0 +1,154 @@
+"""Placements: which rank holds each pipeline stage, for each direction data flows in.
+
+A placement has one or more *pipes*. A pipe lists, for every stage of the model in the order data
+flows through them, the rank that holds it. Ordinary schedules have one pipe. DualPipe has two that
+run in opposite directions over the same stages, so every stage is held by two ranks (its
+parameters are stored twice and their gradients must be summed).
+
+Microbatches are split over the pipes in contiguous blocks: with two pipes and ``m`` microbatches,
+pipe 0 carries microbatches ``0 .. ceil(m/2)-1`` and pipe 1 the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Stage-to-rank maps, one per pipe (direction of data flow)."""
+
+    kind: str
+    num_ranks: int
+    pipes: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if self.num_ranks < 1:
+            raise ValueError(f"a placement needs at least 1 rank, got {self.num_ranks}")
+        if not self.pipes or not self.pipes[0]:
+            raise ValueError("a placement needs at least one pipe with at least one stage")
+        if len({len(p) for p in self.pipes}) != 1:
+            raise ValueError("every pipe of a placement must list the same number of stages")
+        for pipe in self.pipes:
+            bad = [r for r in pipe if not 0 <= r < self.num_ranks]
+            if bad:
+                raise ValueError(
+                    f"placement puts stages on ranks {bad}, outside 0..{self.num_ranks - 1}"
+                )
+        if set().union(*map(set, self.pipes)) != set(range(self.num_ranks)):
+            raise ValueError("every rank of a placement must hold at least one stage")
+
+    # -- constructors -------------------------------------------------------------------------
+
+    @classmethod
+    def linear(cls, num_ranks: int) -> Placement:
+        """Stage r on rank r (GPipe, 1F1B, ZB-H1, ZB-H2)."""
+        return cls("linear", num_ranks, (tuple(range(num_ranks)),))
+
+    @classmethod
+    def interleaved(cls, num_ranks: int, chunks: int) -> Placement:
+        """``chunks`` stages per rank, round robin: rank r holds r, r+R, r+2R, ... (Megatron)."""
+        if chunks < 1:
+            raise ValueError(f"interleaved placement needs chunks >= 1, got {chunks}")
+        return cls(
+            "interleaved", num_ranks, (tuple(s % num_ranks for s in range(chunks * num_ranks)),)
+        )
+
+    @classmethod
+    def vshape(cls, num_ranks: int) -> Placement:
+        """2R stages folded into a V: rank r holds stage r and stage 2R-1-r (ZB-V, DualPipeV)."""
+        down = tuple(range(num_ranks))
+        return cls("v", num_ranks, (down + down[::-1],))
+
+    @classmethod
+    def bidirectional(cls, num_ranks: int) -> Placement:
+        """DualPipe's mirror: pipe 0 puts stage s on rank s, pipe 1 on rank R-1-s.
+
+        Every stage lives on two ranks, so each rank stores two stages' parameters (2x).
+        """
+        if num_ranks % 2:
+            raise ValueError(
+                f"a bidirectional placement needs an even number of ranks, got {num_ranks}"
+            )
+        down = tuple(range(num_ranks))
+        return cls("bidirectional", num_ranks, (down, down[::-1]))
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.pipes[0])
+
+    @property
+    def num_pipes(self) -> int:
+        return len(self.pipes)
+
+    def rank_of(self, stage: int, pipe: int = 0) -> int:
+        """The rank that runs ``stage`` for microbatches of ``pipe``."""
+        return self.pipes[pipe][stage]
+
+    @cached_property
+    def _holdings(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        held: list[list[tuple[int, int]]] = [[] for _ in range(self.num_ranks)]
+        for pipe, ranks in enumerate(self.pipes):
+            for stage, rank in enumerate(ranks):
+                held[rank].append((pipe, stage))
+        return tuple(tuple(h) for h in held)
+
+    def holdings(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """The (pipe, stage) pairs ``rank`` runs, pipe by pipe in data-flow order."""
+        return self._holdings[rank]
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The distinct stages whose parameters ``rank`` stores, in data-flow order."""
+        return tuple(dict.fromkeys(stage for _, stage in self._holdings[rank]))
+
+    def copies(self, stage: int) -> tuple[int, ...]:
+        """The ranks that store a copy of ``stage``'s parameters (two for DualPipe)."""
+        return tuple(dict.fromkeys(pipe[stage] for pipe in self.pipes))
+
+    def parameter_share(self, rank: int, stage_params: Sequence[float] | None = None) -> float:
+        """Fraction of the whole model's parameters ``rank`` stores (copies count every time)."""
+        sizes = stage_params or [1.0] * self.num_stages
+        total = sum(sizes)
+        return sum(sizes[s] for s in self.stages_of(rank)) / total
+
+    def microbatches_of(self, pipe: int, num_microbatches: int) -> range:
+        """The microbatch ids that flow through ``pipe``: contiguous, earlier pipes get the extra one."""
+        per_pipe, extra = divmod(num_microbatches, self.num_pipes)
+        start = pipe * per_pipe + min(pipe, extra)
+        return range(start, start + per_pipe + (pipe < extra))
+
+    def pipe_of(self, microbatch: int, num_microbatches: int) -> int:
+        """The pipe that carries ``microbatch``."""
+        for pipe in range(self.num_pipes):
+            if microbatch < self.microbatches_of(pipe, num_microbatches).stop:
+                return pipe
+        raise ValueError(f"microbatch {microbatch} is outside 0..{num_microbatches - 1}")
+
+    def pipe_table(self, num_microbatches: int) -> list[int]:
+        """``pipe_of`` for every microbatch, as a list to index in hot loops."""
+        table: list[int] = []
+        for pipe in range(self.num_pipes):
+            table.extend([pipe] * len(self.microbatches_of(pipe, num_microbatches)))
+        return table
+
+    def is_cross_rank(self, pipe: int, boundary: int) -> bool:
+        """Whether data crossing from stage ``boundary`` to ``boundary + 1`` leaves the rank."""
+        ranks = self.pipes[pipe]
+        return ranks[boundary] != ranks[boundary + 1]
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "num_ranks": self.num_ranks,
+            "pipes": [list(p) for p in self.pipes],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Placement:
+        return cls(
+            str(data["kind"]), int(data["num_ranks"]), tuple(tuple(p) for p in data["pipes"])
+        )

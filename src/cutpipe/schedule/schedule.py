@@ -1,0 +1,127 @@
+"""The ``Schedule``: a placement, a microbatch count, and one ordered list of ops per rank.
+
+Communication is never written into a schedule: who sends what to whom follows from the placement
+(``source`` and ``destination`` below), so the simulator, the validator and the runtime all derive
+the same sends and receives.
+
+Ops are stored as packed ints (``codes``, see ``cutpipe.schedule.codes``); ``actions`` decodes them
+into ``Action`` / ``Overlap`` objects on first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from cutpipe.schedule.actions import Action, Kind, Op, parse_op
+from cutpipe.schedule.codes import Codec
+from cutpipe.schedule.placement import Placement
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-rank ordered ops for one training step of ``num_microbatches`` microbatches.
+
+    Two schedules are equal when they run the same ops in the same order on the same placement;
+    the name is only a label.
+    """
+
+    name: str = field(compare=False)
+    placement: Placement
+    num_microbatches: int
+    codes: tuple[tuple[int, ...], ...] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_microbatches < 1:
+            raise ValueError(f"a schedule needs at least 1 microbatch, got {self.num_microbatches}")
+        if len(self.codes) != self.placement.num_ranks:
+            raise ValueError(
+                f"schedule {self.name!r} lists ops for {len(self.codes)} ranks but its placement "
+                f"has {self.placement.num_ranks}"
+            )
+
+    @classmethod
+    def from_actions(
+        cls, name: str, placement: Placement, num_microbatches: int, actions: Sequence[Sequence[Op]]
+    ) -> Schedule:
+        """Build a schedule from per-rank lists of ``Action`` / ``Overlap`` objects."""
+        codec = Codec(placement.num_stages, num_microbatches)
+        codes = tuple(tuple(codec.encode(op) for op in ops) for ops in actions)
+        return cls(name, placement, num_microbatches, codes)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.placement.num_ranks
+
+    @property
+    def num_stages(self) -> int:
+        return self.placement.num_stages
+
+    @cached_property
+    def codec(self) -> Codec:
+        return Codec(self.num_stages, self.num_microbatches)
+
+    @cached_property
+    def actions(self) -> tuple[tuple[Op, ...], ...]:
+        """The ops of every rank, in order, as ``Action`` / ``Overlap`` objects."""
+        decode = self.codec.decode
+        return tuple(tuple(map(decode, ops)) for ops in self.codes)
+
+    @cached_property
+    def pipe_table(self) -> list[int]:
+        """The pipe of every microbatch, indexable in hot loops."""
+        return self.placement.pipe_table(self.num_microbatches)
+
+    def pipe_of(self, microbatch: int) -> int:
+        return self.pipe_table[microbatch]
+
+    def rank_of(self, stage: int, microbatch: int) -> int:
+        """The rank that runs ``stage`` for ``microbatch``."""
+        return self.placement.pipes[self.pipe_table[microbatch]][stage]
+
+    def _neighbour_rank(self, action: Action, toward_input: bool) -> int | None:
+        stage, kind = action.stage, action.kind
+        if kind in (Kind.W, Kind.FB):
+            return None
+        downstream = (kind is Kind.F) != toward_input
+        neighbour = stage + 1 if downstream else stage - 1
+        if not 0 <= neighbour < self.num_stages:
+            return None
+        ranks = self.placement.pipes[self.pipe_table[action.microbatch]]
+        return None if ranks[neighbour] == ranks[stage] else ranks[neighbour]
+
+    def source(self, action: Action) -> int | None:
+        """The rank that sends this action its input, or None if the input is local.
+
+        An F receives the activation from the previous stage, a B or BW the gradient from the
+        next stage; a W and the first (F) or last (B) stage receive nothing.
+        """
+        return self._neighbour_rank(action, toward_input=True)
+
+    def destination(self, action: Action) -> int | None:
+        """The rank this action sends its output to, or None if it stays on this rank."""
+        return self._neighbour_rank(action, toward_input=False)
+
+    def text(self) -> str:
+        """Per-rank op lists in PyTorch's notation, one rank per line."""
+        return "\n".join(
+            f"rank {r}: " + " ".join(map(str, ops)) for r, ops in enumerate(self.actions)
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "placement": self.placement.to_dict(),
+            "num_microbatches": self.num_microbatches,
+            "actions": [[str(op) for op in ops] for ops in self.actions],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Schedule:
+        return cls.from_actions(
+            str(data["name"]),
+            Placement.from_dict(data["placement"]),
+            int(data["num_microbatches"]),
+            [[parse_op(text) for text in ops] for ops in data["actions"]],
+        )

@@ -1,0 +1,101 @@
+"""The seed's comparison: 1F1B, DualPipe, Cut-in-half, ZB-H1 and ZB-V on the same devices.
+
+Costs are given per 1F1B stage (one device's share of the model). Schedules whose stages are
+smaller (the V-shapes split each device's share into two stages) get proportionally smaller
+stage costs, so every row trains the same model on the same number of devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cutpipe.schedule.registry import generate, schedule_info
+from cutpipe.sim.costs import Costs
+from cutpipe.sim.formulas import CLOSED_FORMS, predicted_bubble, simulated_bubble
+from cutpipe.sim.metrics import Metrics, metrics
+from cutpipe.sim.simulate import simulate
+
+#: The seed's lineup, in its order.
+SEED_SCHEDULES = ("1f1b", "dualpipe", "dualpipev", "zbh1", "zbv")
+#: The embedded default: 8 devices, F = B = W = 1 per device share, an F&B pair saving half a unit.
+DEFAULT_RANKS = 8
+DEFAULT_MICROBATCHES = 32
+DEFAULT_COSTS = Costs(f=1.0, b=1.0, w=1.0, fb=2.5, p2p_bytes=1.0, ep_bytes=1.0)
+
+
+@dataclass(frozen=True)
+class ComparisonRow:
+    """One schedule of the comparison; ``error`` is set instead of figures if it cannot run."""
+
+    schedule: str
+    title: str
+    error: str | None = None
+    metrics: Metrics | None = None
+    formula: str | None = None
+    measure: str | None = None
+    bubble: float | None = None  # the simulated quantity the formula predicts
+    bubble_formula: float | None = None
+    formula_exact: bool = False  # the published form is stated to hold here
+    params_x: float | None = None  # parameters per device against 1F1B
+    activations: float | None = None  # peak activations per device, in 1F1B stage-microbatches
+    pp_traffic_x: float | None = None  # point-to-point bytes against 1F1B
+    ep_traffic_x: float | None = None  # all-to-all volume against 1F1B
+    ep_overlapped: float | None = None  # share of all-to-alls inside overlapped F&B pairs
+
+    @property
+    def agrees(self) -> bool | None:
+        """Whether simulation and published form give the same bubble (None: no form)."""
+        if self.bubble is None or self.bubble_formula is None:
+            return None
+        return abs(self.bubble - self.bubble_formula) <= 1e-9 * max(1.0, abs(self.bubble))
+
+
+def _ep_volume(result: Metrics) -> float:
+    """All-to-all volume in device shares: a stage of 1/S of the model moves 1/S of the tokens'
+    expert traffic per op (V-shapes run twice the all-to-alls, each half the size)."""
+    return result.ep_alltoalls / result.stages
+
+
+def stage_costs(name: str, costs: Costs) -> Costs:
+    """Per-stage costs for ``name`` from costs given per device share (V-shapes: halved)."""
+    return costs.scaled(0.5) if schedule_info(name).placement == "v" else costs
+
+
+def compare(
+    ranks: int = DEFAULT_RANKS,
+    microbatches: int = DEFAULT_MICROBATCHES,
+    costs: Costs = DEFAULT_COSTS,
+    schedules: tuple[str, ...] = SEED_SCHEDULES,
+) -> list[ComparisonRow]:
+    """Simulate each schedule on ``ranks`` devices beside its published closed form."""
+    baseline = metrics(simulate(generate("1f1b", ranks, microbatches), costs), costs)
+    rows = []
+    for name in schedules:
+        info = schedule_info(name)
+        try:
+            schedule = generate(name, ranks, microbatches)
+        except ValueError as error:
+            rows.append(ComparisonRow(name, info.title, error=str(error)))
+            continue
+        own = stage_costs(name, costs)
+        result = metrics(simulate(schedule, own), own)
+        form = CLOSED_FORMS.get(name)
+        value, exact = predicted_bubble(name, ranks, schedule.num_stages, microbatches, own)
+        rows.append(
+            ComparisonRow(
+                schedule=name,
+                title=info.title,
+                metrics=result,
+                formula=form.bubble_text if form else None,
+                measure=form.measure if form else None,
+                bubble=simulated_bubble(result, form.measure) if form else None,
+                bubble_formula=value,
+                formula_exact=exact,
+                params_x=max(result.params_per_rank) * ranks,
+                activations=max(result.peak_activations_per_rank),
+                pp_traffic_x=result.p2p_bytes / baseline.p2p_bytes if baseline.p2p_bytes else None,
+                ep_traffic_x=_ep_volume(result) / _ep_volume(baseline),
+                ep_overlapped=result.ep_alltoalls_overlapped / result.ep_alltoalls,
+            )
+        )
+    return rows

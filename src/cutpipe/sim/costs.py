@@ -1,0 +1,139 @@
+"""``Costs``: how long each op takes and how much memory and traffic it makes.
+
+Times and sizes are per *stage* of the schedule being simulated: a V-shape stage is half a 1F1B
+stage, so it is given its own (usually halved) cost. A scalar applies to every stage; a sequence
+gives one value per stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+from cutpipe.schedule.codes import BW_CODE, KIND_BITS, KIND_MASK
+from cutpipe.schedule.schedule import Schedule
+from cutpipe.schedule.validate import Timing
+
+PerStage = float | Sequence[float]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The cost model of the simulator.
+
+    Attributes:
+        f, b, w: time of a forward, an input-gradient backward and a weight-gradient backward.
+            A full backward (BW) takes b + w.
+        fb: time of an overlapped F&B pair. None: the pair's compute (F plus its backward) or its
+            two all-to-alls, whichever is longer, i.e. communication fully hidden.
+        comm: point-to-point latency added to every input that crosses ranks.
+        ep_f, ep_b: expert-parallel all-to-all time inside each F and each B / BW. Exposed
+            (added to the op's time) unless the op runs in an overlapped pair.
+        activation: memory an F leaves live, in units of one stage-microbatch activation.
+        w_memory: fraction of that activation a B keeps for its W (the W frees it).
+        params: parameter size of each stage; None: all stages equal.
+        p2p_bytes: size of one tensor crossing a stage boundary (activation or its gradient).
+        ep_bytes: bytes one expert-parallel all-to-all moves (one per F and one per backward).
+    """
+
+    f: PerStage = 1.0
+    b: PerStage = 1.0
+    w: PerStage = 1.0
+    fb: float | None = None
+    comm: float = 0.0
+    ep_f: float = 0.0
+    ep_b: float = 0.0
+    activation: PerStage = 1.0
+    w_memory: float = 0.5
+    params: Sequence[float] | None = None
+    p2p_bytes: float = 1.0
+    ep_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            values = (
+                [] if value is None else list(value) if isinstance(value, Sequence) else [value]
+            )
+            if any(not isinstance(v, (int, float)) or v != v or v < 0 for v in values):
+                raise ValueError(f"cost {field.name}={value!r} must be a non-negative number")
+        if not 0 <= self.w_memory <= 1:
+            raise ValueError(f"w_memory is a fraction of the activation, got {self.w_memory}")
+
+    @classmethod
+    def parse(cls, text: str) -> Costs:
+        """Read ``"F=1,B=1,W=1,FB=2.5,comm=0.1"``; keys are the field names, any case."""
+        names = {field.name.lower(): field.name for field in fields(cls)}
+        values: dict[str, float | None] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, raw = item.partition("=")
+            name = names.get(key.strip().lower())
+            if not sep or name is None:
+                raise ValueError(
+                    f"cannot read cost {item!r}: expected KEY=VALUE with KEY one of "
+                    f"{', '.join(n for n in names.values() if n != 'params')}"
+                )
+            try:
+                values[name] = None if raw.strip().lower() == "none" else float(raw)
+            except ValueError:
+                raise ValueError(f"cost {key}={raw!r} is not a number") from None
+        return cls(**values)
+
+    def scaled(self, factor: float) -> Costs:
+        """The same model with every stage's compute and EP time multiplied by ``factor``.
+
+        Used to give V-shape stages (half a 1F1B stage) half the time, activation and
+        expert-parallel volume of a 1F1B stage. Boundary tensors keep their size.
+        """
+
+        def times(value: PerStage) -> PerStage:
+            return (
+                value * factor if not isinstance(value, Sequence) else [v * factor for v in value]
+            )
+
+        return replace(
+            self,
+            f=times(self.f),
+            b=times(self.b),
+            w=times(self.w),
+            fb=None if self.fb is None else self.fb * factor,
+            ep_f=self.ep_f * factor,
+            ep_b=self.ep_b * factor,
+            activation=times(self.activation),
+            ep_bytes=self.ep_bytes * factor,
+        )
+
+    def per_stage(self, name: str, num_stages: int) -> list[float]:
+        """One value of the per-stage field ``name`` for each of ``num_stages`` stages."""
+        value = getattr(self, name)
+        if value is None:
+            return [1.0] * num_stages
+        if isinstance(value, Sequence):
+            if len(value) != num_stages:
+                raise ValueError(
+                    f"cost {name} lists {len(value)} values but the schedule has {num_stages} stages"
+                )
+            return [float(v) for v in value]
+        return [float(value)] * num_stages
+
+    def is_uniform(self, num_stages: int) -> bool:
+        return all(len(set(self.per_stage(n, num_stages))) == 1 for n in ("f", "b", "w"))
+
+    def timing(self, schedule: Schedule) -> Timing:
+        """Per-slot duration tables for ``walk``."""
+        S, m = schedule.num_stages, schedule.num_microbatches
+        f, b, w = (self.per_stage(n, S) for n in ("f", "b", "w"))
+        forward = [x + self.ep_f for x in f]
+        backward = [x + self.ep_b for x in b]
+        full = [x + y + self.ep_b for x, y in zip(b, w, strict=True)]
+        overlap, ep_pair = self.fb, self.ep_f + self.ep_b
+
+        def pair(forward_code: int, backward_code: int) -> float:
+            if overlap is not None:
+                return overlap
+            fs = (forward_code >> KIND_BITS) % S
+            bs = (backward_code >> KIND_BITS) % S
+            grad = b[bs] + w[bs] if backward_code & KIND_MASK == BW_CODE else b[bs]
+            return max(f[fs] + grad, ep_pair)
+
+        return Timing(forward * m, backward * m, w * m, full * m, pair, self.comm)
