@@ -26,11 +26,18 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def parse_costs(text: str) -> Costs:
+    try:
+        return Costs.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def add_costs_argument(parser: argparse.ArgumentParser, default: str, per: str) -> None:
     parser.add_argument(
         "--costs",
         default=default,
-        type=Costs.parse,
+        type=parse_costs,
         metavar="K=V,...",
         help=f"costs per {per}, e.g. F=1,B=1,W=1,FB=2.5,comm=0.1 (keys: f, b, w, fb, comm, ep_f, "
         f"ep_b, activation, w_memory, p2p_bytes, ep_bytes; default: {default or 'F=B=W=1'})",

@@ -26,30 +26,36 @@ class ScheduleInfo:
     title: str
     generate: Callable[[int, int], Schedule]
     placement: str
-    valid: str
+    valid: str  # the valid (ranks, microbatches) range, in words
+    min_microbatches: Callable[[int], int] = lambda ranks: 1
+    even_ranks: bool = False
 
+    def accepts(self, num_ranks: int, num_microbatches: int) -> bool:
+        """Whether ``generate`` builds this schedule for that many ranks and microbatches."""
+        if num_ranks < 1 or (self.even_ranks and num_ranks % 2):
+            return False
+        return num_microbatches >= self.min_microbatches(num_ranks)
+
+
+ANY = "ranks >= 1, microbatches >= 1"
 
 SCHEDULES: dict[str, ScheduleInfo] = {
     info.name: info
     for info in (
-        ScheduleInfo("gpipe", "GPipe", gpipe, "linear", "ranks >= 1, microbatches >= 1"),
-        ScheduleInfo("1f1b", "1F1B", one_f_one_b, "linear", "ranks >= 1, microbatches >= 1"),
-        ScheduleInfo(
-            "interleaved",
-            "Interleaved 1F1B",
-            interleaved,
-            "interleaved",
-            "ranks >= 1, microbatches >= 1",
-        ),
-        ScheduleInfo("zbh1", "ZB-H1", zb_h1, "linear", "ranks >= 1, microbatches >= 1"),
-        ScheduleInfo("zbh2", "ZB-H2", zb_h2, "linear", "ranks >= 1, microbatches >= 1"),
-        ScheduleInfo("zbv", "ZB-V", zbv, "v", "ranks >= 1, microbatches >= 1"),
+        ScheduleInfo("gpipe", "GPipe", gpipe, "linear", ANY),
+        ScheduleInfo("1f1b", "1F1B", one_f_one_b, "linear", ANY),
+        ScheduleInfo("interleaved", "Interleaved 1F1B", interleaved, "interleaved", ANY),
+        ScheduleInfo("zbh1", "ZB-H1", zb_h1, "linear", ANY),
+        ScheduleInfo("zbh2", "ZB-H2", zb_h2, "linear", ANY),
+        ScheduleInfo("zbv", "ZB-V", zbv, "v", ANY),
         ScheduleInfo(
             "dualpipe",
             "DualPipe",
             dualpipe,
             "bidirectional",
-            "even ranks >= 2, microbatches >= 2R-2 (odd: >= 2R-3)",
+            "even ranks >= 2, microbatches >= 2R-2 (odd counts: >= 2R-3), and >= 2",
+            min_microbatches=lambda r: max(2, 2 * r - 3),
+            even_ranks=True,
         ),
         ScheduleInfo(
             "dualpipev",
@@ -57,6 +63,7 @@ SCHEDULES: dict[str, ScheduleInfo] = {
             dualpipev,
             "v",
             "ranks >= 1, microbatches >= 2R-1",
+            min_microbatches=lambda r: 2 * r - 1,
         ),
     )
 }

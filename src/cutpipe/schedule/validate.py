@@ -389,7 +389,7 @@ def _stall_error(schedule: Schedule, pointer: list[int], owners: list[int]) -> S
             if where is None:
                 return ScheduleError(
                     f"rank {r} waits at {action} for {need_text} from rank {producer}, but no rank "
-                    f"runs it: the schedule is missing it",
+                    f"runs it: the schedule is missing it (rank {producer} should run it)",
                     rank=r,
                     action=action,
                     dependency=need_text,

@@ -1,0 +1,1 @@
+"""Bridges to other pipeline libraries. Each imports its library only when called."""

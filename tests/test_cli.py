@@ -1,0 +1,143 @@
+"""The cutpipe command: simulate, compare, schedule; JSON keys; errors say what to change."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from cutpipe.cli.main import main
+from cutpipe.schedule import generate, parse_op
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_simulate_json_has_the_documented_keys(capsys):
+    code, out, _ = run(
+        capsys, "simulate", "--schedule", "1f1b", "--ranks", "4", "--microbatches", "8", "--json"
+    )
+    assert code == 0
+    data = json.loads(out)
+    for key in (
+        "schedule",
+        "ranks",
+        "stages",
+        "microbatches",
+        "makespan",
+        "bubble_ratio",
+        "bubble_ratio_span",
+        "idle_per_rank",
+        "peak_activations_per_rank",
+        "params_per_rank",
+        "p2p_sends",
+        "p2p_bytes",
+    ):
+        assert key in data
+    assert data["schedule"] == "1f1b" and data["stages"] == 4
+    assert round(data["bubble_ratio"], 4) == 0.2727
+    assert data["idle_per_rank"] == [9.0] * 4
+    assert data["peak_activations_per_rank"] == [4, 3, 2, 1]
+    assert data["p2p_sends"] == 2 * 3 * 8
+
+
+def test_simulate_costs_and_timeline_file(capsys, tmp_path):
+    path = tmp_path / "t.json"
+    code, out, _ = run(
+        capsys,
+        "simulate",
+        "-s",
+        "dualpipe",
+        "-r",
+        "8",
+        "-m",
+        "20",
+        "--costs",
+        "F=1,B=1,W=1,FB=2",
+        "--json",
+        "--timeline",
+        str(path),
+    )
+    assert code == 0 and json.loads(out)["makespan"] == 52
+    assert json.loads(path.read_text())["format"] == "cutpipe-timeline"
+    assert json.loads(out)["params_per_rank"] == [0.25] * 8  # 2 of 8 stages: stored twice
+
+
+def test_simulate_prints_tables(capsys):
+    code, out, _ = run(capsys, "simulate", "-s", "zbv", "-r", "2", "-m", "4")
+    assert code == 0 and "bubble ratio (span)" in out and "peak activations" in out
+
+
+def test_compare_defaults_to_the_seed_lineup_and_agrees_with_the_forms(capsys):
+    code, out, _ = run(capsys, "compare", "--json")
+    rows = json.loads(out)
+    assert [r["schedule"] for r in rows] == ["1f1b", "dualpipe", "dualpipev", "zbh1", "zbv"]
+    assert all(r["agrees"] for r in rows)
+    params = {r["schedule"]: r["params_x"] for r in rows}
+    assert params == {"1f1b": 1, "dualpipe": 2, "dualpipev": 1, "zbh1": 1, "zbv": 1}
+    traffic = {r["schedule"]: r["pp_traffic_x"] for r in rows}
+    assert traffic["dualpipev"] == 2 and traffic["dualpipe"] == 1
+    code, out, _ = run(capsys, "compare")
+    assert code == 0 and "Cut-in-half" in out and "DualPipe" in out
+
+
+def test_compare_marks_where_published_form_and_simulation_differ(capsys):
+    _, out, _ = run(capsys, "compare", "--costs", "F=1,B=1,W=0.5,FB=2,comm=0.05", "--json")
+    rows = {r["schedule"]: r for r in json.loads(out)}
+    assert rows["1f1b"]["agrees"] is False  # communication is outside every form
+    _code, out, _ = run(capsys, "compare", "--costs", "F=1,B=1,W=0.5,FB=2,comm=0.05")
+    assert " *" in out
+
+
+def test_compare_reports_schedules_that_cannot_run(capsys):
+    _code, out, _ = run(capsys, "compare", "-r", "8", "-m", "10", "--json")
+    rows = {r["schedule"]: r for r in json.loads(out)}
+    assert "microbatches >= 2*ranks - 1" in rows["dualpipev"]["error"]
+    assert rows["1f1b"]["error"] is None
+
+
+def test_schedule_prints_torch_notation_one_rank_per_line(capsys):
+    _code, out, _ = run(capsys, "schedule", "-s", "dualpipev", "-r", "2", "-m", "4")
+    lines = [line for line in out.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 2
+    expected = generate("dualpipev", 2, 4)
+    for r, line in enumerate(lines):
+        ops = [parse_op(token) for token in line.split(": ", 1)[1].split()]
+        assert ops == list(expected.actions[r])
+    assert "(0F3;3B1)OVERLAP_F_B" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["simulate", "-s", "zb3", "-r", "4", "-m", "8"], "known schedules: gpipe"),
+        (["simulate", "-s", "dualpipev", "-r", "4", "-m", "3"], "microbatches >= 2*ranks - 1"),
+        (["simulate", "-s", "1f1b", "-r", "0", "-m", "3"], "ranks >= 1"),
+        (["schedule", "-s", "dualpipe", "-r", "3", "-m", "8"], "even number of ranks"),
+    ],
+)
+def test_errors_exit_2_and_say_what_to_change(capsys, args, message):
+    code, _, err = run(capsys, *args)
+    assert code == 2 and message in err
+
+
+def test_bad_costs_are_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "-s", "1f1b", "-r", "2", "-m", "2", "--costs", "F=x"])
+    assert exit_.value.code == 2
+    assert "not a number" in capsys.readouterr().err
+
+
+def test_installed_entry_point():
+    exe = shutil.which("cutpipe")
+    assert exe, "the cutpipe entry point is not installed"
+    result = subprocess.run(
+        [exe, "schedule", "-s", "1f1b", "-r", "2", "-m", "2"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "rank 1: 1F0 1B0 1F1 1B1" in result.stdout
