@@ -11,6 +11,7 @@ from cutpipe.schedule import (
     Placement,
     Schedule,
     ScheduleError,
+    cut_in_half,
     generate,
     validate,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "Timeline",
+    "cut_in_half",
     "generate",
     "metrics",
     "simulate",

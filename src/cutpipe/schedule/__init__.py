@@ -4,6 +4,7 @@ Pure Python; nothing here imports torch.
 """
 
 from cutpipe.schedule.actions import Action, Kind, Op, Overlap, parse_action, parse_op, units
+from cutpipe.schedule.cut_in_half import cut_in_half
 from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.registry import SCHEDULES, ScheduleInfo, generate, schedule_info
 from cutpipe.schedule.schedule import Schedule
@@ -19,6 +20,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "ScheduleInfo",
+    "cut_in_half",
     "generate",
     "parse_action",
     "parse_op",

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping
+from operator import length_hint
 
-from cutpipe.schedule.codes import B_CODE, BW_CODE, KIND_BITS, W_CODE, Codec
+from cutpipe.schedule.codes import B_CODE, BW_CODE, F_CODE, KIND_BITS, W_CODE, Codec
 
 
 class RankBuilder:
@@ -27,46 +28,34 @@ class RankBuilder:
         microbatches; the steps past the last microbatch are skipped.
         """
         self._codec = codec
-        self._forward_codes = {
-            stage: [codec.action(0, stage, mb) for mb in ids] for stage, ids in microbatches.items()
-        }
-        self._steps = {stage: max(steps, len(c)) for stage, c in self._forward_codes.items()}
-        self._next_forward = dict.fromkeys(microbatches, 0)
-        self._next_backward = dict.fromkeys(microbatches, 0)
+        streams = {}
+        for stage, ids in microbatches.items():
+            codes: list[int | None] = [codec.action(F_CODE, stage, mb) for mb in ids]
+            streams[stage] = codes + [None] * (steps - len(codes))
+        # each step takes the next code (None: a skipped microbatch); running out is a bug
+        self._forwards = {stage: iter(codes) for stage, codes in streams.items()}
+        self._backwards = {stage: iter(codes) for stage, codes in streams.items()}
         self._pending_w: deque[int] = deque()  # W codes in the order their B ran
-        self._pending_w_of: dict[int, deque[int]] = {s: deque() for s in microbatches}
+        self._pending_w_of: dict[int, deque[int]] = {stage: deque() for stage in streams}
         self.codes: list[int] = []
 
     def forwards_left(self, stage: int) -> int:
         """How many forward steps of ``stage`` remain, skipped microbatches included."""
-        return self._steps[stage] - self._next_forward[stage]
-
-    def _forward(self, stage: int) -> int | None:
-        index = self._next_forward[stage]
-        self._next_forward[stage] = index + 1
-        codes = self._forward_codes[stage]
-        return codes[index] if index < len(codes) else None
+        return length_hint(self._forwards[stage])
 
     def _backward(self, stage: int, split: bool) -> int | None:
-        index = self._next_backward[stage]
-        self._next_backward[stage] = index + 1
-        codes = self._forward_codes[stage]
-        if index >= len(codes):
-            return None
-        if split:
-            weight = codes[index] | W_CODE
-            self._pending_w.append(weight)
-            self._pending_w_of[stage].append(weight)
-            return codes[index] | B_CODE
-        return codes[index] | BW_CODE
+        code = next(self._backwards[stage])
+        if code is None or not split:
+            return code if code is None else code | BW_CODE
+        self._pending_w.append(code | W_CODE)
+        self._pending_w_of[stage].append(code | W_CODE)
+        return code | B_CODE
 
     def forward(self, stage: int) -> None:
         """F of the next microbatch of ``stage``."""
-        index = self._next_forward[stage]
-        self._next_forward[stage] = index + 1
-        codes = self._forward_codes[stage]
-        if index < len(codes):
-            self.codes.append(codes[index])
+        code = next(self._forwards[stage])
+        if code is not None:
+            self.codes.append(code)
 
     def backward(self, stage: int, split: bool = False) -> None:
         """Backward of the next microbatch of ``stage``: BW, or B with its W queued if ``split``."""
@@ -80,13 +69,11 @@ class RankBuilder:
         if not queue:
             return
         code = queue.popleft()
-        # the same W sits in the other queue too: drop it there (it is at or near the front)
-        other = (
-            self._pending_w_of[(code >> KIND_BITS) % self._codec.num_stages]
-            if stage is None
-            else self._pending_w
-        )
-        other.remove(code)
+        # the same W waits in the other queue too: drop it there (at or near the front)
+        if stage is None:
+            self._pending_w_of[(code >> KIND_BITS) % self._codec.num_stages].remove(code)
+        else:
+            self._pending_w.remove(code)
         self.codes.append(code)
 
     def weights(self, stage: int | None = None) -> None:
@@ -95,15 +82,12 @@ class RankBuilder:
         while queue:
             self.weight(stage)
 
-    def pending_weights(self, stage: int | None = None) -> int:
-        return len(self._pending_w if stage is None else self._pending_w_of[stage])
-
     def overlap(self, forward_stage: int, backward_stage: int, split: bool = False) -> None:
         """F of ``forward_stage`` and backward of ``backward_stage`` as one overlapped pair.
 
         If one half's microbatch is skipped, the other half runs alone.
         """
-        forward = self._forward(forward_stage)
+        forward = next(self._forwards[forward_stage])
         backward = self._backward(backward_stage, split)
         if forward is not None and backward is not None:
             self.codes.append(self._codec.pair(forward, backward))

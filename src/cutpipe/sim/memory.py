@@ -8,6 +8,8 @@ so its peak does not depend on timing, and the runtime's count can be checked ag
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 from cutpipe.schedule.codes import F_CODE, KIND_BITS, KIND_MASK
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
@@ -22,43 +24,44 @@ def _changes(schedule: Schedule, costs: Costs) -> list[tuple[float, float, float
     ]
 
 
+def _trace(schedule: Schedule, ops, change) -> list[tuple[float, float]]:
+    S, live, trace = schedule.num_stages, 0.0, []
+    for code in ops:
+        if code >= 0:
+            before = live
+            live += change[(code >> KIND_BITS) % S][code & KIND_MASK]
+            trace.append((max(before, live), live))
+        else:
+            forward, backward = schedule.codec.split_pair(code)
+            live += change[(forward >> KIND_BITS) % S][F_CODE]
+            high = live
+            live += change[(backward >> KIND_BITS) % S][backward & KIND_MASK]
+            trace.append((high, live))
+    return trace
+
+
 def activation_trace(schedule: Schedule, costs: Costs) -> list[list[tuple[float, float]]]:
     """Per rank, per op: (the most memory live during the op, the memory live after it)."""
-    S, change = schedule.num_stages, _changes(schedule, costs)
-    traces = []
-    for ops in schedule.codes:
-        live, trace = 0.0, []
-        for code in ops:
-            if code >= 0:
-                before = live
-                live += change[(code >> KIND_BITS) % S][code & KIND_MASK]
-                trace.append((max(before, live), live))
-            else:
-                forward, backward = schedule.codec.split_pair(code)
-                live += change[(forward >> KIND_BITS) % S][F_CODE]
-                high = live
-                live += change[(backward >> KIND_BITS) % S][backward & KIND_MASK]
-                trace.append((high, live))
-        traces.append(trace)
-    return traces
+    change = _changes(schedule, costs)
+    return [_trace(schedule, ops, change) for ops in schedule.codes]
 
 
 def peak_activations(schedule: Schedule, costs: Costs) -> list[float]:
-    """The most activation memory each rank holds at once (the max of ``activation_trace``)."""
+    """The most activation memory each rank holds at once (the max of ``activation_trace``).
+
+    ``code % 4S`` is ``4 * stage + kind`` for a single action, so a flat table of changes turns a
+    rank without overlapped pairs into one ``accumulate`` at C speed.
+    """
     S, change = schedule.num_stages, _changes(schedule, costs)
-    split = schedule.codec.split_pair
+    flat = [delta for per_stage in change for delta in per_stage]
+    period = 4 * S
     peaks = []
     for ops in schedule.codes:
-        live = peak = 0.0
-        for code in ops:
-            if code < 0:
-                code, backward = split(code)
-                live += change[(code >> KIND_BITS) % S][F_CODE]
-                peak = max(peak, live)
-                live += change[(backward >> KIND_BITS) % S][backward & KIND_MASK]
-                continue
-            live += change[(code >> KIND_BITS) % S][code & KIND_MASK]
-            if live > peak:
-                peak = live
-        peaks.append(peak)
+        if not ops:
+            peaks.append(0.0)
+        elif min(ops) >= 0:
+            deltas = map(flat.__getitem__, map(period.__rmod__, ops))
+            peaks.append(max(0.0, max(accumulate(deltas))))
+        else:
+            peaks.append(max(high for high, _ in _trace(schedule, ops, change)))
     return peaks

@@ -56,7 +56,8 @@ def p2p_sends(schedule: Schedule) -> int:
 
 
 def overlapped_pairs(schedule: Schedule) -> int:
-    return sum(code < 0 for ops in schedule.codes for code in ops)
+    """How many overlapped F&B pairs the schedule runs (pairs are the negative codes)."""
+    return sum(sum(map((0).__gt__, ops)) for ops in schedule.codes)
 
 
 def metrics(timeline: Timeline, costs: Costs | None = None) -> Metrics:
