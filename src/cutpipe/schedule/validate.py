@@ -133,8 +133,7 @@ def walk(schedule: Schedule, timing: Timing | None = None) -> Walk:
     runnable = [r for r in reversed(range(R)) if codes[r]]
     pair_cache: dict[int, float] = {}  # pair duration by (forward stage, backward stage, kind)
 
-    # The loop below runs once per op: it uses literal kind codes (F=0, B=1, W=2, BW=3) and
-    # shifts by KIND_BITS=2 written out, which Python loads faster than module constants.
+    # The hot loop: it runs once per op, so it works on the packed codes directly.
     while runnable:
         r = runnable.pop()
         ops, p, t = codes[r], pointer[r], clock[r]
@@ -143,11 +142,11 @@ def walk(schedule: Schedule, timing: Timing | None = None) -> Walk:
         while p < n:
             code = ops[p]
             if code >= 0:
-                slot = code >> 2
+                slot = code >> KIND_BITS
                 if owners[slot] != r:
                     raise _wrong_rank_error(schedule, r, code, owners[slot])
-                kind = code & 3
-                if kind == 0:
+                kind = code & KIND_MASK
+                if kind == F_CODE:
                     if slot % S:
                         ready = f_end[slot - 1]
                         if ready is None:
@@ -163,7 +162,7 @@ def walk(schedule: Schedule, timing: Timing | None = None) -> Walk:
                     f_end[slot] = t
                     if f_waiter[slot] >= 0:
                         runnable.append(f_waiter[slot])
-                elif kind == 2:
+                elif kind == W_CODE:
                     if not split[slot] or w_done[slot]:
                         raise _weight_error(schedule, r, code, bool(w_done[slot]))
                     start_list[p] = t
@@ -171,7 +170,7 @@ def walk(schedule: Schedule, timing: Timing | None = None) -> Walk:
                     w_done[slot] = 1
                 else:
                     if f_end[slot] is None:
-                        raise _order_error(schedule, r, code, slot << 2)
+                        raise _order_error(schedule, r, code, slot << KIND_BITS)
                     if slot % S != last:
                         ready = g_end[slot + 1]
                         if ready is None:
@@ -183,7 +182,7 @@ def walk(schedule: Schedule, timing: Timing | None = None) -> Walk:
                     if g_end[slot] is not None:
                         raise _duplicate_error(schedule, r, code)
                     start_list[p] = t
-                    if kind == 3:
+                    if kind == BW_CODE:
                         t += dur_bw[slot]
                         w_done[slot] = 1
                     else:
@@ -194,15 +193,15 @@ def walk(schedule: Schedule, timing: Timing | None = None) -> Walk:
                         runnable.append(g_waiter[slot])
             else:
                 forward, backward = divmod(-1 - code, span)
-                f_slot, b_slot = forward >> 2, backward >> 2
-                if forward & 3 or not backward & 1:  # an F, then a B (1) or BW (3)
+                f_slot, b_slot = forward >> KIND_BITS, backward >> KIND_BITS
+                if forward & KIND_MASK != F_CODE or backward & KIND_MASK not in (B_CODE, BW_CODE):
                     raise _pair_shape_error(schedule, r, code)
                 if owners[f_slot] != r:
                     raise _wrong_rank_error(schedule, r, forward, owners[f_slot])
                 if owners[b_slot] != r:
                     raise _wrong_rank_error(schedule, r, backward, owners[b_slot])
                 if f_end[b_slot] is None:
-                    raise _order_error(schedule, r, backward, b_slot << 2)
+                    raise _order_error(schedule, r, backward, b_slot << KIND_BITS)
                 begin = t
                 if f_slot % S:
                     ready = f_end[f_slot - 1]
@@ -224,14 +223,14 @@ def walk(schedule: Schedule, timing: Timing | None = None) -> Walk:
                     raise _duplicate_error(schedule, r, forward)
                 if g_end[b_slot] is not None:
                     raise _duplicate_error(schedule, r, backward)
-                key = ((f_slot % S) * S + b_slot % S) * 4 + (backward & 3)
+                key = ((f_slot % S) * S + b_slot % S) * 4 + (backward & KIND_MASK)
                 duration = pair_cache.get(key)
                 if duration is None:
                     duration = pair_cache[key] = pair_time(forward, backward)
                 start_list[p] = begin
                 t = begin + duration
                 f_end[f_slot] = g_end[b_slot] = t
-                if backward & 2:
+                if backward & KIND_MASK == BW_CODE:
                     w_done[b_slot] = 1
                 else:
                     split[b_slot] = 1
