@@ -1,0 +1,142 @@
+"""The program one rank runs: its ops in order, with every send and receive resolved.
+
+Built once per (schedule, rank) from the placement, before any tensor moves. Besides the ops, it
+lists, for every rank that sends to this one, the messages in the order that rank sends them:
+receives are posted in that order, which is what NCCL's in-order matching between two ranks needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cutpipe.schedule.codes import B_CODE, BW_CODE, F_CODE, KIND_BITS, KIND_MASK
+from cutpipe.schedule.schedule import Schedule
+
+ACTIVATION, GRADIENT = 0, 1
+
+#: A message between ranks: (ACTIVATION, stage, microbatch) is the output of ``stage``'s forward;
+#: (GRADIENT, stage, microbatch) is the gradient of ``stage``'s input, sent back to ``stage - 1``.
+MessageKey = tuple[int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Instruction:
+    """One F, B, W or BW with where its input comes from and where its output goes."""
+
+    kind: int  # F_CODE, B_CODE, W_CODE or BW_CODE
+    stage: int
+    microbatch: int
+    code: int  # the packed op, for names in errors and timelines
+    source: int | None  # rank the input arrives from; None: the batch, the loss or this rank
+    target: int | None  # rank the output goes to; None: this rank, or nowhere
+    first: bool  # first stage of the model: the forward reads the batch
+    last: bool  # last stage: the forward computes the loss, the backward starts from it
+
+    @property
+    def receives(self) -> MessageKey | None:
+        if self.source is None:
+            return None
+        if self.kind == F_CODE:
+            return (ACTIVATION, self.stage - 1, self.microbatch)
+        return (GRADIENT, self.stage + 1, self.microbatch)
+
+    @property
+    def sends(self) -> MessageKey | None:
+        if self.target is None:
+            return None
+        direction = ACTIVATION if self.kind == F_CODE else GRADIENT
+        return (direction, self.stage, self.microbatch)
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """An overlapped F&B pair: both halves' inputs are received before it starts."""
+
+    forward: Instruction
+    backward: Instruction
+    code: int
+
+
+Op = Instruction | Pair
+
+
+class RankProgram:
+    """The instructions of ``rank`` under ``schedule`` (forward-only: just the forwards)."""
+
+    def __init__(self, schedule: Schedule, rank: int, forward_only: bool = False) -> None:
+        if not 0 <= rank < schedule.num_ranks:
+            raise ValueError(
+                f"rank {rank} is outside the schedule's ranks 0..{schedule.num_ranks - 1}"
+            )
+        self.schedule = schedule
+        self.rank = rank
+        self.forward_only = forward_only
+        programs = [self._instructions(r) for r in range(schedule.num_ranks)]
+        self.ops: list[Op] = programs[rank]
+        #: for each rank that sends here: the keys of its messages, in the order it sends them
+        self.inbox: dict[int, list[MessageKey]] = {}
+        for sender, ops in enumerate(programs):
+            for op in ops:
+                for half in (op.forward, op.backward) if type(op) is Pair else (op,):
+                    if half.target == rank:
+                        self.inbox.setdefault(sender, []).append(half.sends)
+        #: for each op: a message to post the receive of before running it (the next op's input)
+        self.prefetches: list[tuple[MessageKey, int] | None] = [None] * len(self.ops)
+        for index in range(len(self.ops) - 1):
+            following = self.ops[index + 1]
+            for half in (
+                (following.forward, following.backward) if type(following) is Pair else (following,)
+            ):
+                if half.receives is not None:
+                    self.prefetches[index] = (half.receives, half.source)
+                    break
+        #: (stage, microbatch) whose backward on this rank is split into B and W
+        self.split_slots = frozenset(
+            (half.stage, half.microbatch)
+            for op in self.ops
+            for half in ((op.backward,) if type(op) is Pair else (op,))
+            if half.kind == B_CODE
+        )
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return self.schedule.placement.stages_of(self.rank)
+
+    def _instruction(self, code: int, rank: int) -> Instruction:
+        schedule = self.schedule
+        S = schedule.num_stages
+        microbatch, stage = divmod(code >> KIND_BITS, S)
+        kind = code & KIND_MASK
+        ranks = schedule.placement.pipes[schedule.pipe_of(microbatch)]
+        if kind == F_CODE:
+            before = ranks[stage - 1] if stage > 0 else rank
+            after = ranks[stage + 1] if stage < S - 1 else rank
+        elif kind in (B_CODE, BW_CODE):
+            before = ranks[stage + 1] if stage < S - 1 else rank
+            after = ranks[stage - 1] if stage > 0 else rank
+        else:
+            before = after = rank
+        return Instruction(
+            kind=kind,
+            stage=stage,
+            microbatch=microbatch,
+            code=code,
+            source=None if before == rank else before,
+            target=None if after == rank else after,
+            first=stage == 0,
+            last=stage == S - 1,
+        )
+
+    def _instructions(self, rank: int) -> list[Op]:
+        split = self.schedule.codec.split_pair
+        ops: list[Op] = []
+        for code in self.schedule.codes[rank]:
+            if code < 0:
+                forward, backward = (self._instruction(c, rank) for c in split(code))
+                ops.append(forward if self.forward_only else Pair(forward, backward, code))
+            elif not self.forward_only or code & KIND_MASK == F_CODE:
+                ops.append(self._instruction(code, rank))
+        return ops
+
+
+__all__ = ["ACTIVATION", "GRADIENT", "Instruction", "MessageKey", "Op", "Pair", "RankProgram"]

@@ -1,0 +1,491 @@
+"""``PipelineRunner``: run any cutpipe schedule on torch.distributed, one pipeline rank per process.
+
+Every rank builds a runner from the same schedule and its own stage modules, then calls ``step`` with
+the batch: the rank holding the first stage reads the inputs, the one holding the last stage reads
+the targets (passing both everywhere is fine). The step splits the batch into the schedule's
+microbatches, runs this rank's ops in order, and leaves the gradients in the parameters:
+
+- ``loss_reduction="sum"``: the gradients of the sum of the microbatch losses;
+- ``loss_reduction="mean"``: of their mean, i.e. the sum divided by the microbatch count. With a
+  loss that averages within a microbatch, this equals one ``loss_fn`` over the whole batch.
+
+Under ``torch.no_grad()`` a step runs the forwards only. DualPipe's two copies of each stage get
+their gradients summed before ``step`` returns, so an optimizer sees one consistent model.
+
+Everything that can be checked locally is checked before any communication: the schedule fits the
+process group, the modules match this rank's stages, the batch splits into the microbatches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cutpipe.runtime.comm import HEADER_LENGTH, Mailbox, PeerLost, encode_header, meta_of
+from cutpipe.runtime.emulate import EmulatedExecutor
+from cutpipe.runtime.executor import StageExecutor, Value
+from cutpipe.runtime.guard import Guard, PipelineError
+from cutpipe.runtime.program import ACTIVATION, GRADIENT, Instruction, Pair, RankProgram
+from cutpipe.schedule.codes import F_CODE, W_CODE
+from cutpipe.schedule.schedule import Schedule
+from cutpipe.sim.costs import Costs
+from cutpipe.sim.timeline import Timeline
+
+
+def collective(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a collective; a connection broken by a failed peer becomes ``PeerLost``."""
+    try:
+        return operation(*args, **kwargs)
+    except RuntimeError as error:
+        raise PeerLost(None, str(error)) from error
+
+
+def stage_sizes(
+    num_layers: int, num_stages: int, partition: Sequence[int] | None = None
+) -> list[int]:
+    """Layers per stage: ``partition`` checked, or an even split (earlier stages take the rest)."""
+    if partition is None:
+        if num_layers < num_stages:
+            raise ValueError(
+                f"{num_layers} layers cannot fill {num_stages} stages: use a deeper model or fewer stages"
+            )
+        base, extra = divmod(num_layers, num_stages)
+        return [base + (s < extra) for s in range(num_stages)]
+    sizes = list(partition)
+    if len(sizes) != num_stages or sum(sizes) != num_layers or min(sizes) < 1:
+        raise ValueError(
+            f"partition {sizes} must give each of the {num_stages} stages at least one layer and "
+            f"{num_layers} layers in all"
+        )
+    return sizes
+
+
+class PipelineRunner:
+    """Executes this rank's part of a schedule, step after step."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: Mapping[int, nn.Module] | None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        loss_reduction: str = "sum",
+        split_backward: bool = True,
+        emulate: Costs | None = None,
+        time_unit: float = 0.01,
+        w_memory: float = 0.5,
+        dynamic_shapes: bool = False,
+        sync_copies: bool = True,
+        record_timeline: bool = False,
+        heartbeat: float = 1.0,
+        dead_after: float = 20.0,
+        exit_after: float = 10.0,
+    ) -> None:
+        self.schedule = schedule
+        if dist.is_available() and dist.is_initialized():
+            self.group = group or dist.group.WORLD
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
+            self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+        elif group is None and schedule.num_ranks == 1:
+            self.group, self.rank, self.world_size, self._global = None, 0, 1, [0]
+        else:
+            raise ValueError(
+                "torch.distributed is not initialized: start one process per rank (torchrun, or "
+                "cutpipe.runtime.launch) and call torch.distributed.init_process_group first"
+            )
+        if schedule.num_ranks != self.world_size:
+            raise ValueError(
+                f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks but the process group "
+                f"has {self.world_size}: generate it for {self.world_size} ranks or pass the "
+                "pipeline's own group"
+            )
+        if loss_reduction not in ("sum", "mean"):
+            raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
+        self.loss_reduction = loss_reduction
+        self._program = RankProgram(schedule, self.rank)
+        self._forward_program: RankProgram | None = None
+        held = self._program.stages
+        if emulate is None:
+            if stages is None or set(stages) != set(held):
+                given = "none" if stages is None else ", ".join(map(str, sorted(stages)))
+                raise ValueError(
+                    f"rank {self.rank} holds stages {', '.join(map(str, held))} of {schedule.name!r}; "
+                    f"it was given modules for stages {given}"
+                )
+            self.device = torch.device(device) if device is not None else self._device_of(stages)
+            self._executor: StageExecutor | EmulatedExecutor = StageExecutor(
+                stages, loss_fn, self._program.split_slots, split_backward, w_memory
+            )
+        else:
+            self.device = torch.device(device or "cpu")
+            self._executor = EmulatedExecutor(schedule, emulate, time_unit, w_memory)
+        self._modules = dict(stages or {})
+        self._loss_fn = loss_fn
+        self._emulated = emulate is not None
+        self._record = record_timeline
+        self._times: tuple[list[float], list[float]] | None = None
+        self._position = -1
+        self._ops: list = self._program.ops
+        self._signature: list[int] | None = None
+        self._handoff: dict[tuple[int, int, int], Value] = {}
+        self._mirror: dist.ProcessGroup | None = None
+        self._mailbox: Mailbox | None = None
+        self._guard: Guard | None = None
+        if self.world_size > 1:
+            upward = dist.new_group(self._global, use_local_synchronization=True)
+            downward = dist.new_group(self._global, use_local_synchronization=True)
+            self._mailbox = Mailbox(
+                self._program, self._global, upward, downward, self.device, dynamic_shapes
+            )
+            self._guard = self._make_guard(heartbeat, dead_after, exit_after)
+            if schedule.placement.num_pipes > 1:
+                mirror = sorted(
+                    {self._global[self.rank], self._global[self.world_size - 1 - self.rank]}
+                )
+                self._mirror = dist.new_group(mirror, use_local_synchronization=True)
+                if sync_copies and not self._emulated:
+                    self._copy_parameters_from(mirror[0])
+
+    @classmethod
+    def from_sequential(
+        cls,
+        schedule: Schedule,
+        model: nn.Sequential,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        partition: Sequence[int] | None = None,
+        **options: Any,
+    ) -> PipelineRunner:
+        """A runner for this rank's stages of ``model``: consecutive layers, ``partition[s]`` of
+        them in stage ``s`` (default: as even as possible)."""
+        group = options.get("group")
+        rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+        sizes = stage_sizes(len(model), schedule.num_stages, partition)
+        bounds = [sum(sizes[:s]) for s in range(len(sizes) + 1)]
+        layers = list(model)
+        stages = {
+            s: nn.Sequential(*layers[bounds[s] : bounds[s + 1]])
+            for s in schedule.placement.stages_of(rank)
+        }
+        return cls(schedule, stages, loss_fn, **options)
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _device_of(stages: Mapping[int, nn.Module]) -> torch.device:
+        for module in stages.values():
+            for parameter in module.parameters():
+                return parameter.device
+        return torch.device("cpu")
+
+    def _make_guard(self, heartbeat: float, dead_after: float, exit_after: float) -> Guard:
+        store = dist.distributed_c10d._get_default_store()
+        me = self._global[self.rank]
+        instance = store.add(f"cutpipe/instances/{me}", 1)
+        prefix = f"cutpipe/{'-'.join(map(str, self._global))}/{instance}"
+        return Guard(
+            dist.PrefixStore(prefix, store), self.rank, self.world_size, self._describe,
+            heartbeat, dead_after, exit_after,
+        )  # fmt: skip
+
+    def _parameters(self) -> list[nn.Parameter]:
+        return [p for stage in sorted(self._modules) for p in self._modules[stage].parameters()]
+
+    @torch.no_grad()
+    def _copy_parameters_from(self, source: int) -> None:
+        """Make DualPipe's two copies of each stage start equal (the lower rank's wins)."""
+        parameters = self._parameters()
+        if parameters:
+            flat = torch.cat([p.detach().reshape(-1) for p in parameters])
+            dist.broadcast(flat, src=source, group=self._mirror)
+            for parameter, value in zip(
+                parameters, torch._utils._unflatten_dense_tensors(flat, parameters), strict=True
+            ):
+                parameter.copy_(value)
+
+    # -- a step ----------------------------------------------------------------------------------
+
+    @property
+    def peak_activation_units(self) -> float:
+        """The most activation units this rank held at once during the last step."""
+        return self._executor.peak_units
+
+    def _describe(self) -> str:
+        position = self._position
+        if 0 <= position < len(self._ops):
+            op = self._ops[position]
+            return str(self.schedule.codec.decode(op.code))
+        return "no action"
+
+    def _microbatches(self, value: Any, name: str) -> list[tuple[torch.Tensor, ...]]:
+        """Split a tensor or tuple of tensors along dim 0 into the schedule's microbatches."""
+        m = self.schedule.num_microbatches
+        tensors = (value,) if isinstance(value, torch.Tensor) else tuple(value)
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(
+                    f"{name} must be a tensor or a tuple of tensors, got {type(tensor).__name__}"
+                )
+            if tensor.dim() == 0 or tensor.shape[0] % m:
+                size = tensor.shape[0] if tensor.dim() else 0
+                raise ValueError(
+                    f"{name} has batch size {size}, which does not split into {m} equal "
+                    f"microbatches: use a batch size divisible by {m}"
+                )
+        chunks = [t.to(self.device, non_blocking=True).chunk(m) for t in tensors]
+        return [tuple(chunk[i] for chunk in chunks) for i in range(m)]
+
+    def _learning(self, batch: list[Any] | None) -> bool:
+        """Whether this step's input signature is new (boundary shapes travel with the data)."""
+        if self._mailbox is None:
+            return False
+        if self.rank == 0:
+            signature = encode_header(meta_of(batch[0]) if batch else (), self.device)
+        else:
+            signature = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self.device)
+        collective(dist.broadcast, signature, src=self._global[0], group=self.group)
+        values = signature.tolist()
+        learning = values != self._signature
+        self._signature = values
+        return learning
+
+    def step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
+        """Run one step; return the loss (sum or mean over the microbatches) on every rank.
+
+        Under ``torch.no_grad()`` only the forwards run. Without targets (or a loss function) the
+        last stage keeps its outputs for ``outputs()`` and the step returns None.
+        """
+        training = torch.is_grad_enabled()
+        program = self._program if training else self._forward_only()
+        stages = program.stages
+        needs_inputs = 0 in stages and not self._emulated
+        needs_targets = self.schedule.num_stages - 1 in stages and self._loss_fn is not None
+        if needs_inputs and inputs is None:
+            raise ValueError(
+                f"rank {self.rank} holds the first stage: pass the batch's inputs to step()"
+            )
+        if training and needs_targets and targets is None and not self._emulated:
+            raise ValueError(
+                f"rank {self.rank} holds the last stage: pass the targets to step() for training"
+            )
+        if self._record and not training:
+            raise ValueError(
+                "record_timeline measures training steps; run step() with grad enabled"
+            )
+        batch = self._microbatches(inputs, "inputs") if needs_inputs else None
+        split_targets: list[Any] = []
+        if needs_targets and targets is not None:
+            split_targets = self._microbatches(targets, "targets")
+            if isinstance(targets, torch.Tensor):
+                split_targets = [t[0] for t in split_targets]
+        m = self.schedule.num_microbatches
+        self._executor.begin_step(split_targets, 1.0 / m if self.loss_reduction == "mean" else 1.0)
+        self._ops = program.ops
+        guard = self._guard
+        try:
+            if guard is not None:
+                guard.enter_step()
+            learning = self._learning(batch)
+            if self._mailbox is not None:
+                self._mailbox.begin_step(program, learning)
+            self._run(program, batch)
+            if self._mailbox is not None:
+                self._mailbox.end_step()
+            self._executor.end_step()
+            if training and self._mirror is not None and not self._emulated:
+                self._sum_copies()
+            loss = self._total_loss()
+        except PeerLost as lost:
+            raise self._peer_failure(lost) from None
+        except PipelineError:
+            raise
+        except BaseException as error:
+            if guard is not None:
+                guard.record(
+                    f"rank {self.rank} failed in {self._describe()}: {type(error).__name__}: {error}"
+                )
+            raise
+        finally:
+            if guard is not None:
+                guard.leave_step()
+            self._position = -1
+            self._handoff.clear()
+        return loss
+
+    def _forward_only(self) -> RankProgram:
+        if self._forward_program is None:
+            self._forward_program = RankProgram(self.schedule, self.rank, forward_only=True)
+        return self._forward_program
+
+    def _peer_failure(self, lost: PeerLost) -> PipelineError:
+        guard = self._guard
+        assert guard is not None
+        recorded = None
+        for _ in range(20):  # the failed rank may still be writing its own account
+            recorded = guard.failure()
+            if recorded is not None:
+                break
+            time.sleep(0.1)
+        if recorded is None and lost.peer is not None:
+            recorded = guard.record(
+                f"rank {lost.peer} died while in {guard.last_action_of(lost.peer)} (its "
+                f"connection closed: {lost.reason})"
+            )
+        elif recorded is None:
+            recorded = guard.record(
+                f"a peer of rank {self.rank} closed its connection ({lost.reason})"
+            )
+        return PipelineError(
+            f"{recorded}; rank {self.rank} stopped in {self._describe()}", rank=lost.peer
+        )
+
+    def _run(self, program: RankProgram, batch: list[Any] | None) -> None:
+        executor, record = self._executor, self._record
+        starts: list[float] = []
+        ends: list[float] = []
+        if record:
+            if self.group is not None:
+                collective(dist.barrier, group=self.group)
+            origin = time.perf_counter()
+        clock = time.perf_counter
+        ops, mailbox = program.ops, self._mailbox
+        upcoming = program.prefetches if mailbox is not None else [None] * len(ops)
+        for index, op in enumerate(ops):
+            self._position = index
+            if upcoming[index] is not None:
+                mailbox.prefetch(*upcoming[index])
+            # an op starts when its inputs are here: waiting for them is idle time, not work
+            if type(op) is Pair:
+                forward, backward = op.forward, op.backward
+                values = self._input(forward, batch)
+                grads = self._gradient(backward)
+                if record:
+                    starts.append(clock() - origin)
+                passed_on, passed_back = executor.pair(forward, values, backward, grads)
+                self._pass_on(forward, passed_on)
+                self._pass_back(backward, passed_back)
+            elif op.kind == F_CODE:
+                values = self._input(op, batch)
+                if record:
+                    starts.append(clock() - origin)
+                self._pass_on(op, executor.forward(op, values))
+            elif op.kind == W_CODE:
+                if record:
+                    starts.append(clock() - origin)
+                executor.weight(op)
+            else:
+                grads = self._gradient(op)
+                if record:
+                    starts.append(clock() - origin)
+                self._pass_back(op, executor.backward(op, grads))
+            if record:
+                ends.append(clock() - origin)
+        self._times = (starts, ends) if record else None
+
+    def _input(self, ins: Instruction, batch: list[Any] | None) -> Value:
+        if ins.first:
+            return batch[ins.microbatch] if batch is not None else ()
+        if ins.source is None:
+            return self._handoff.pop((ACTIVATION, ins.stage - 1, ins.microbatch))
+        assert self._mailbox is not None
+        return tuple(self._mailbox.receive(ins.receives, ins.source))
+
+    def _gradient(self, ins: Instruction) -> Value | None:
+        if ins.last:
+            return None
+        if ins.source is None:
+            return self._handoff.pop((GRADIENT, ins.stage + 1, ins.microbatch))
+        assert self._mailbox is not None
+        return tuple(self._mailbox.receive(ins.receives, ins.source))
+
+    def _pass_on(self, ins: Instruction, value: Value | None) -> None:
+        if value is None:
+            return
+        if ins.target is None:
+            self._handoff[(ACTIVATION, ins.stage, ins.microbatch)] = value
+        else:
+            assert self._mailbox is not None
+            self._mailbox.send(ins.sends, value, ins.target)
+
+    def _pass_back(self, ins: Instruction, value: Value | None) -> None:
+        if value is None:
+            return
+        if ins.target is None:
+            self._handoff[(GRADIENT, ins.stage, ins.microbatch)] = value
+        else:
+            assert self._mailbox is not None
+            self._mailbox.send(ins.sends, value, ins.target)
+
+    @torch.no_grad()
+    def _sum_copies(self) -> None:
+        """Add up the gradients of DualPipe's two copies of each stage (this rank and its mirror)."""
+        parameters = self._parameters()
+        if not parameters:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        collective(dist.all_reduce, flat, group=self._mirror)
+        for parameter, value in zip(
+            parameters, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
+        ):
+            if parameter.grad is None:
+                parameter.grad = value.clone()
+            else:
+                parameter.grad.copy_(value)
+
+    def _total_loss(self) -> torch.Tensor | None:
+        """The step's loss on every rank: the loss ranks' sums and counts, added up everywhere."""
+        if self._loss_fn is None:
+            return None
+        losses = self._executor.losses
+        local = torch.stack(losses).sum().float() if losses else torch.zeros(())
+        summary = torch.stack(
+            [local.to(self.device), torch.tensor(float(len(losses)), device=self.device)]
+        )
+        if self.group is not None:
+            collective(dist.all_reduce, summary, group=self.group)
+        total, count = summary[0], int(summary[1])
+        if count == 0:
+            return None
+        return total / self.schedule.num_microbatches if self.loss_reduction == "mean" else total
+
+    def outputs(self) -> dict[int, Value]:
+        """The last stage's outputs of the last step without targets, by microbatch (this rank's)."""
+        return dict(self._executor.outputs)
+
+    # -- measured timelines ---------------------------------------------------------------------
+
+    def timeline(self) -> Timeline | None:
+        """The last step's measured timeline of every rank, gathered on rank 0 (None elsewhere)."""
+        if self._times is None:
+            raise ValueError("build the runner with record_timeline=True to measure timelines")
+        if self.group is None:
+            gathered = [self._times]
+        else:
+            gathered = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(self._times, gathered, dst=self._global[0], group=self.group)
+        if self.rank != 0:
+            return None
+        starts = [g[0] for g in gathered]
+        ends = [g[1] for g in gathered]
+        return Timeline(self.schedule, starts, ends, unit="s", source="measured")
+
+    def close(self) -> None:
+        """Stop the heartbeat and give the stage modules their own layers back."""
+        if self._guard is not None:
+            self._guard.close()
+            self._guard = None
+        self._executor.close()
+
+    def __enter__(self) -> PipelineRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,163 @@
+"""Functions the multi-process runtime tests run on every rank (spawned processes import them)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import threading
+import time
+
+import torch
+from torch import nn
+
+from cutpipe import Costs, generate
+from cutpipe.models import mlp
+from cutpipe.runtime import PipelineError, PipelineRunner
+from cutpipe.sim import metrics, peak_activations, simulate
+
+
+def batch(
+    m: int, width: int, per_microbatch: int = 3, seed: int = 7
+) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(per_microbatch * m, width, generator=generator)
+    y = torch.randn(per_microbatch * m, width, generator=generator)
+    return x, y
+
+
+def reference(model: nn.Module, x, y, m: int, reduction: str) -> float:
+    """The single-process answer: the same microbatches, one after the other."""
+    total = 0.0
+    for xi, yi in zip(x.chunk(m), y.chunk(m), strict=True):
+        loss = nn.functional.mse_loss(model(xi), yi)
+        (loss / m if reduction == "mean" else loss).backward()
+        total += float(loss)
+    return total / m if reduction == "mean" else total
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def exactness(rank: int, world: int, cases: list[tuple[str, int, str]]) -> list[dict]:
+    """Each case: train one step and evaluate once; compare with the single-process reference."""
+    results = []
+    for name, m, reduction in cases:
+        schedule = generate(name, world, m)
+        model = mlp(blocks=8, width=16, seed=3)
+        twin = copy.deepcopy(model)
+        x, y = batch(m, 16)
+        runner = PipelineRunner.from_sequential(
+            schedule, model, nn.MSELoss(), loss_reduction=reduction
+        )
+        loss = runner.step(x, y)
+        peak = runner.peak_activation_units
+        expected = reference(twin, x, y, m, reduction)
+        held = [p for stage in runner._modules.values() for p in stage.parameters()]
+        twins = dict(zip(map(id, model.parameters()), twin.parameters(), strict=True))
+        grad_error = max(relative_error(p.grad, twins[id(p)].grad) for p in held)
+        with torch.no_grad():
+            evaluated = runner.step(x, y)
+        predicted = peak_activations(schedule, Costs(w_memory=0.5))[rank]
+        results.append(
+            {
+                "case": f"{name} R={world} m={m} {reduction}",
+                "loss": float(loss),
+                "expected": expected,
+                "eval": float(evaluated),
+                "grad_error": grad_error,
+                "peak": peak,
+                "predicted_peak": predicted,
+            }
+        )
+        runner.close()
+    return results
+
+
+def shapes(rank: int, world: int) -> list[float]:
+    """Boundaries of any shape and dtype, and a batch shape that changes between steps."""
+
+    class Pair(nn.Module):  # returns (hidden, an integer mask): two tensors, two dtypes
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.linear = nn.Linear(width, width)
+
+        def forward(self, x, mask=None):
+            mask = (x > 0).to(torch.int32) if mask is None else mask
+            return torch.tanh(self.linear(x * mask)), mask
+
+    class Head(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.linear = nn.Linear(width, 3)
+
+        def forward(self, x, mask):
+            return self.linear(x).to(torch.float64)  # a dtype change on the way out
+
+    schedule = generate("1f1b", world, 4)
+    torch.manual_seed(0)
+    layers = [Pair(6) for _ in range(world - 1)] + [Head(6)]
+    stages = {rank: layers[rank]}
+    runner = PipelineRunner(schedule, stages, lambda out, t: (out - t).pow(2).mean())
+    losses = []
+    for batch_size in (8, 12, 8):  # the second step changes shapes, the third changes them back
+        x = torch.randn(batch_size, 6, generator=torch.Generator().manual_seed(batch_size))
+        y = torch.zeros(batch_size, 3, dtype=torch.float64)
+        losses.append(float(runner.step(x, y)))
+    runner.close()
+    return losses
+
+
+def emulated(rank: int, world: int, cases: list[tuple[str, int]], unit: float) -> list[dict]:
+    """Time-emulated steps: the measured bubble beside the simulated one (gathered on rank 0)."""
+    results = []
+    for name, m in cases:
+        schedule = generate(name, world, m)
+        costs = Costs(f=1, b=1, w=1, fb=2.5).scaled(0.5 if schedule.placement.kind == "v" else 1)
+        runner = PipelineRunner(schedule, None, emulate=costs, time_unit=unit, record_timeline=True)
+        runner.step()
+        measured = runner.timeline()
+        runner.close()
+        if rank == 0:
+            predicted = metrics(simulate(schedule, costs), costs)
+            observed = metrics(measured, costs)
+            results.append(
+                {
+                    "case": f"{name} R={world} m={m}",
+                    "measured": observed.bubble_ratio,
+                    "simulated": predicted.bubble_ratio,
+                    "measured_span": observed.bubble_ratio_span,
+                    "simulated_span": predicted.bubble_ratio_span,
+                }
+            )
+    return results
+
+
+def failing(rank: int, world: int, how: str, victim: int, name: str) -> str:
+    """A long emulated step in which ``victim`` raises or is killed; report how each rank ended."""
+    schedule = generate(name, world, 12)
+    started = time.monotonic()
+    runner = PipelineRunner(
+        schedule, None, emulate=Costs(), time_unit=0.05, heartbeat=0.5, dead_after=5, exit_after=5
+    )
+    if rank == victim:
+
+        def strike() -> None:
+            time.sleep(1.5)
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            runner._executor.forward = _raising  # the next forward raises
+
+        threading.Thread(target=strike, daemon=True).start()
+    try:
+        runner.step()
+        return "finished"
+    except PipelineError as error:
+        return f"PipelineError after {time.monotonic() - started:.1f}s: {error}"
+    except ValueError as error:
+        return f"ValueError: {error}"
+
+
+def _raising(*_: object) -> None:
+    raise ValueError("boom in a stage module")

@@ -1,0 +1,76 @@
+"""The runtime on real process groups (gloo, spawned processes): exact gradients for every schedule,
+memory as the simulator predicts, emulated timing as the simulator predicts, no hangs."""
+
+import pytest
+import runtime_workers as workers
+
+from cutpipe.runtime import launch, run
+
+EXACT = {
+    2: [
+        ("gpipe", 3, "sum"), ("1f1b", 4, "sum"), ("1f1b", 3, "mean"), ("interleaved", 5, "sum"),
+        ("zbh1", 3, "sum"), ("zbh2", 5, "sum"), ("zbv", 3, "sum"), ("zbv", 4, "mean"),
+        ("dualpipe", 3, "sum"), ("dualpipe", 4, "mean"), ("dualpipev", 3, "sum"),
+        ("dualpipev", 4, "sum"),
+    ],
+    4: [
+        ("gpipe", 5, "sum"), ("1f1b", 8, "sum"), ("1f1b", 5, "mean"), ("interleaved", 6, "sum"),
+        ("zbh1", 7, "sum"), ("zbh2", 9, "sum"), ("zbv", 7, "sum"), ("zbv", 8, "mean"),
+        ("dualpipe", 5, "sum"), ("dualpipe", 8, "mean"), ("dualpipev", 7, "sum"),
+        ("dualpipev", 9, "sum"),
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_schedule_matches_the_single_process_reference(world):
+    ranks = run(workers.exactness, world, (EXACT[world],), timeout=200)
+    for results in ranks:
+        for result in results:
+            case = result["case"]
+            assert result["grad_error"] <= 1e-6, case
+            assert result["loss"] == pytest.approx(result["expected"], rel=1e-6), case
+            assert result["eval"] == pytest.approx(result["expected"], rel=1e-6), case
+            assert result["peak"] == result["predicted_peak"], case  # the runtime's own count
+
+
+@pytest.mark.timeout(120)
+def test_boundary_shapes_and_dtypes_are_learned_and_relearned():
+    losses = run(workers.shapes, 2, timeout=90)
+    assert losses[0] == losses[1]  # every rank returns the same loss
+    first, second, third = losses[0]
+    assert first == third and first != second
+
+
+EMULATED = [(name, m) for name in ("1f1b", "zbh1", "zbv", "dualpipe", "dualpipev") for m in (8, 16)]
+
+
+@pytest.mark.timeout(240)
+def test_emulated_timelines_match_the_simulator_within_2_points():
+    results = run(workers.emulated, 4, (EMULATED, 0.1), timeout=200)[0]
+    for result in results:
+        print(
+            f"{result['case']}: measured {result['measured']:.4f} simulated {result['simulated']:.4f}"
+        )
+    for result in results:
+        assert abs(result["measured"] - result["simulated"]) <= 0.02, result["case"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_failing_rank_stops_every_rank_naming_it(how):
+    outcomes = launch(workers.failing, 4, (how, 2, "1f1b"), timeout=120)
+    victim = outcomes[2]
+    if how == "kill":
+        assert victim.exitcode == -9
+    else:
+        assert victim.ok and victim.result.startswith("ValueError: boom")
+    for outcome in outcomes:
+        if outcome.rank == 2:
+            continue
+        text = outcome.result if outcome.ok else outcome.stderr
+        assert "rank 2" in text and ("failed in 2" in text or "died while in 2" in text), text
+        if outcome.ok:
+            seconds = float(text.split("after ")[1].split("s:")[0])
+            assert seconds < 60
