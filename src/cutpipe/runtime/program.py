@@ -17,6 +17,8 @@ ACTIVATION, GRADIENT = 0, 1
 #: A message between ranks: (ACTIVATION, stage, microbatch) is the output of ``stage``'s forward;
 #: (GRADIENT, stage, microbatch) is the gradient of ``stage``'s input, sent back to ``stage - 1``.
 MessageKey = tuple[int, int, int]
+#: The messages one op sends to one rank, which travel together as one transfer.
+Parcel = tuple[MessageKey, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,21 @@ class Pair:
 Op = Instruction | Pair
 
 
+def halves(op: Op) -> tuple[Instruction, ...]:
+    return (op.forward, op.backward) if type(op) is Pair else (op,)
+
+
+def parcels(op: Op) -> list[tuple[int, Parcel]]:
+    """(destination, messages) of what ``op`` sends to other ranks, one parcel per destination.
+
+    Sender and receiver both derive parcels with this rule, so they agree on the grouping."""
+    grouped: dict[int, list[MessageKey]] = {}
+    for half in halves(op):
+        if half.target is not None:
+            grouped.setdefault(half.target, []).append(half.sends)
+    return [(dst, tuple(keys)) for dst, keys in grouped.items()]
+
+
 class RankProgram:
     """The instructions of ``rank`` under ``schedule`` (forward-only: just the forwards)."""
 
@@ -73,23 +90,24 @@ class RankProgram:
         self.forward_only = forward_only
         programs = [self._instructions(r) for r in range(schedule.num_ranks)]
         self.ops: list[Op] = programs[rank]
-        #: for each rank that sends here: the keys of its messages, in the order it sends them
-        self.inbox: dict[int, list[MessageKey]] = {}
+        #: what each op sends to other ranks: (destination, parcel) pairs
+        self.outbox: list[list[tuple[int, Parcel]]] = [parcels(op) for op in self.ops]
+        #: for each rank that sends here: its parcels, in the order it sends them
+        self.inbox: dict[int, list[Parcel]] = {}
         for sender, ops in enumerate(programs):
             for op in ops:
-                for half in (op.forward, op.backward) if type(op) is Pair else (op,):
-                    if half.target == rank:
-                        self.inbox.setdefault(sender, []).append(half.sends)
-        #: for each op: a message to post the receive of before running it (the next op's input)
-        self.prefetches: list[tuple[MessageKey, int] | None] = [None] * len(self.ops)
-        for index in range(len(self.ops) - 1):
-            following = self.ops[index + 1]
-            for half in (
-                (following.forward, following.backward) if type(following) is Pair else (following,)
-            ):
-                if half.receives is not None:
-                    self.prefetches[index] = (half.receives, half.source)
-                    break
+                for dst, parcel in parcels(op):
+                    if dst == rank:
+                        self.inbox.setdefault(sender, []).append(parcel)
+        #: the parcel each incoming message travels in
+        self.parcel_of: dict[MessageKey, Parcel] = {
+            key: parcel for received in self.inbox.values() for parcel in received for key in parcel
+        }
+        #: the messages this rank receives, in the order its ops need them
+        self.needs: list[list[tuple[MessageKey, int]]] = [
+            [(half.receives, half.source) for half in halves(op) if half.receives is not None]
+            for op in self.ops
+        ]
         #: (stage, microbatch) whose backward on this rank is split into B and W
         self.split_slots = frozenset(
             (half.stage, half.microbatch)
@@ -139,4 +157,7 @@ class RankProgram:
         return ops
 
 
-__all__ = ["ACTIVATION", "GRADIENT", "Instruction", "MessageKey", "Op", "Pair", "RankProgram"]
+__all__ = [
+    "ACTIVATION", "GRADIENT", "Instruction", "MessageKey", "Op", "Pair", "Parcel", "RankProgram",
+    "halves", "parcels",
+]  # fmt: skip

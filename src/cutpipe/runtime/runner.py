@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cutpipe.runtime.comm import HEADER_LENGTH, Mailbox, PeerLost, encode_header, meta_of
+from cutpipe.runtime.comm import HEADER_LENGTH, Mailbox, PeerLost, encode_header, meta_of, wait
 from cutpipe.runtime.emulate import EmulatedExecutor
 from cutpipe.runtime.executor import StageExecutor, Value
 from cutpipe.runtime.guard import Guard, PipelineError
-from cutpipe.runtime.program import ACTIVATION, GRADIENT, Instruction, Pair, RankProgram
+from cutpipe.runtime.program import ACTIVATION, GRADIENT, Instruction, Pair, RankProgram, halves
 from cutpipe.schedule.codes import F_CODE, W_CODE
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
@@ -84,6 +84,8 @@ class PipelineRunner:
         dynamic_shapes: bool = False,
         sync_copies: bool = True,
         record_timeline: bool = False,
+        prefetch: int = 16,
+        loss_on_every_rank: bool = True,
         heartbeat: float = 1.0,
         dead_after: float = 20.0,
         exit_after: float = 10.0,
@@ -131,11 +133,19 @@ class PipelineRunner:
         self._loss_fn = loss_fn
         self._emulated = emulate is not None
         self._record = record_timeline
+        if prefetch < 1:
+            raise ValueError(
+                f"prefetch is how many ops ahead receives are posted; it must be >= 1, got {prefetch}"
+            )
+        self._prefetch = prefetch
+        self._loss_everywhere = loss_on_every_rank
         self._times: tuple[list[float], list[float]] | None = None
         self._position = -1
         self._ops: list = self._program.ops
-        self._signature: list[int] | None = None
+        self._last_signature: list[int] | None = None
+        self._pending_collectives: list[Any] = []
         self._handoff: dict[tuple[int, int, int], Value] = {}
+        self._outbox = self._program.outbox
         self._mirror: dist.ProcessGroup | None = None
         self._mailbox: Mailbox | None = None
         self._guard: Guard | None = None
@@ -242,19 +252,29 @@ class PipelineRunner:
         chunks = [t.to(self.device, non_blocking=True).chunk(m) for t in tensors]
         return [tuple(chunk[i] for chunk in chunks) for i in range(m)]
 
-    def _learning(self, batch: list[Any] | None) -> bool:
-        """Whether this step's input signature is new (boundary shapes travel with the data)."""
+    def _signature(self, batch: list[Any] | None) -> Callable[[], bool]:
+        """Start broadcasting rank 0's input signature; the returned call says whether it is new.
+
+        The broadcast runs in the background: only a transfer that must know the answer (and
+        rank 0 never does before the data is on its way) waits for it."""
         if self._mailbox is None:
-            return False
+            return lambda: False
         if self.rank == 0:
-            signature = encode_header(meta_of(batch[0]) if batch else (), self.device)
+            signature = encode_header([meta_of(batch[0])] if batch else [], self.device)
         else:
             signature = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self.device)
-        collective(dist.broadcast, signature, src=self._global[0], group=self.group)
-        values = signature.tolist()
-        learning = values != self._signature
-        self._signature = values
-        return learning
+        work = collective(
+            dist.broadcast, signature, src=self._global[0], group=self.group, async_op=True
+        )
+        self._pending_collectives.append(work)
+
+        def changed() -> bool:
+            wait(work, None)
+            values = signature.tolist()
+            new, self._last_signature = values != self._last_signature, values
+            return new
+
+        return changed
 
     def step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
         """Run one step; return the loss (sum or mean over the microbatches) on every rank.
@@ -288,16 +308,19 @@ class PipelineRunner:
         m = self.schedule.num_microbatches
         self._executor.begin_step(split_targets, 1.0 / m if self.loss_reduction == "mean" else 1.0)
         self._ops = program.ops
+        self._outbox = program.outbox
         guard = self._guard
         try:
             if guard is not None:
                 guard.enter_step()
-            learning = self._learning(batch)
             if self._mailbox is not None:
-                self._mailbox.begin_step(program, learning)
+                self._mailbox.begin_step(program, self._signature(batch))
             self._run(program, batch)
             if self._mailbox is not None:
                 self._mailbox.end_step()
+            for work in self._pending_collectives:
+                wait(work, None)
+            self._pending_collectives.clear()
             self._executor.end_step()
             if training and self._mirror is not None and not self._emulated:
                 self._sum_copies()
@@ -317,6 +340,7 @@ class PipelineRunner:
                 guard.leave_step()
             self._position = -1
             self._handoff.clear()
+            self._pending_collectives.clear()
         return loss
 
     def _forward_only(self) -> RankProgram:
@@ -355,12 +379,12 @@ class PipelineRunner:
                 collective(dist.barrier, group=self.group)
             origin = time.perf_counter()
         clock = time.perf_counter
-        ops, mailbox = program.ops, self._mailbox
-        upcoming = program.prefetches if mailbox is not None else [None] * len(ops)
+        ops, mailbox, needs, depth = program.ops, self._mailbox, program.needs, self._prefetch
         for index, op in enumerate(ops):
             self._position = index
-            if upcoming[index] is not None:
-                mailbox.prefetch(*upcoming[index])
+            if mailbox is not None and index + depth < len(ops):
+                for key, source in needs[index + depth]:
+                    mailbox.prefetch(key, source)
             # an op starts when its inputs are here: waiting for them is idle time, not work
             if type(op) is Pair:
                 forward, backward = op.forward, op.backward
@@ -368,23 +392,23 @@ class PipelineRunner:
                 grads = self._gradient(backward)
                 if record:
                     starts.append(clock() - origin)
-                passed_on, passed_back = executor.pair(forward, values, backward, grads)
-                self._pass_on(forward, passed_on)
-                self._pass_back(backward, passed_back)
+                outputs = executor.pair(forward, values, backward, grads)
             elif op.kind == F_CODE:
                 values = self._input(op, batch)
                 if record:
                     starts.append(clock() - origin)
-                self._pass_on(op, executor.forward(op, values))
+                outputs = (executor.forward(op, values),)
             elif op.kind == W_CODE:
                 if record:
                     starts.append(clock() - origin)
                 executor.weight(op)
+                outputs = (None,)
             else:
                 grads = self._gradient(op)
                 if record:
                     starts.append(clock() - origin)
-                self._pass_back(op, executor.backward(op, grads))
+                outputs = (executor.backward(op, grads),)
+            self._deliver(index, op, outputs)
             if record:
                 ends.append(clock() - origin)
         self._times = (starts, ends) if record else None
@@ -395,7 +419,7 @@ class PipelineRunner:
         if ins.source is None:
             return self._handoff.pop((ACTIVATION, ins.stage - 1, ins.microbatch))
         assert self._mailbox is not None
-        return tuple(self._mailbox.receive(ins.receives, ins.source))
+        return self._mailbox.receive(ins.receives, ins.source)
 
     def _gradient(self, ins: Instruction) -> Value | None:
         if ins.last:
@@ -403,25 +427,24 @@ class PipelineRunner:
         if ins.source is None:
             return self._handoff.pop((GRADIENT, ins.stage + 1, ins.microbatch))
         assert self._mailbox is not None
-        return tuple(self._mailbox.receive(ins.receives, ins.source))
+        return self._mailbox.receive(ins.receives, ins.source)
 
-    def _pass_on(self, ins: Instruction, value: Value | None) -> None:
-        if value is None:
-            return
-        if ins.target is None:
-            self._handoff[(ACTIVATION, ins.stage, ins.microbatch)] = value
-        else:
+    def _deliver(self, index: int, op: Any, outputs: tuple[Value | None, ...]) -> None:
+        """Hand each half's output to the next stage: locally, or in one parcel per rank."""
+        by_key: dict[tuple[int, int, int], Value] = {}
+        for half, value in zip(halves(op), outputs, strict=True):
+            if value is None:
+                continue
+            direction = ACTIVATION if half.kind == F_CODE else GRADIENT
+            key = (direction, half.stage, half.microbatch)
+            if half.target is None:
+                self._handoff[key] = value
+            else:
+                by_key[key] = value
+        if by_key:
             assert self._mailbox is not None
-            self._mailbox.send(ins.sends, value, ins.target)
-
-    def _pass_back(self, ins: Instruction, value: Value | None) -> None:
-        if value is None:
-            return
-        if ins.target is None:
-            self._handoff[(GRADIENT, ins.stage, ins.microbatch)] = value
-        else:
-            assert self._mailbox is not None
-            self._mailbox.send(ins.sends, value, ins.target)
+            for dst, parcel in self._outbox[index]:
+                self._mailbox.send(parcel, [by_key[key] for key in parcel], dst)
 
     @torch.no_grad()
     def _sum_copies(self) -> None:
