@@ -161,3 +161,68 @@ def failing(rank: int, world: int, how: str, victim: int, name: str) -> str:
 
 def _raising(*_: object) -> None:
     raise ValueError("boom in a stage module")
+
+
+def bad_inputs(rank: int, world: int, case: str) -> str:
+    """Each case breaks one rule; report what this rank raised."""
+    schedule = generate("1f1b", world, 4)
+    model = mlp(blocks=4, width=8)
+    try:
+        if case == "ranks":
+            PipelineRunner.from_sequential(generate("1f1b", world + 1, 4), model, nn.MSELoss())
+        elif case == "modules":
+            PipelineRunner(schedule, {rank + 1: nn.Linear(8, 8)}, nn.MSELoss())
+        elif case == "batch":
+            runner = PipelineRunner.from_sequential(schedule, model, nn.MSELoss())
+            size = 7 if rank == 0 else 8
+            runner.step(torch.randn(size, 8), torch.randn(size, 8))
+        elif case == "loss":
+            runner = PipelineRunner.from_sequential(schedule, model, lambda out, t: (out - t) ** 2)
+            runner.step(torch.randn(8, 8), torch.randn(8, 8))
+        return "no error"
+    except (ValueError, PipelineError) as error:
+        return f"{type(error).__name__}: {error}"
+
+
+class Recorded(nn.Module):
+    """A stage that runs overlapped pairs itself, backward first, and counts them."""
+
+    def __init__(self, layers: nn.Sequential) -> None:
+        super().__init__()
+        self.layers = layers
+        self.pairs = 0
+
+    def forward(self, x):
+        return self.layers(x)
+
+    def overlap_forward_backward(self, forward_task, backward_task) -> None:
+        self.pairs += 1
+        backward_task.run()
+        forward_task.run()
+
+
+def overlap_hook(rank: int, world: int) -> dict:
+    m = 6
+    schedule = generate("dualpipev", world, m)
+    model = mlp(blocks=8, width=16, seed=5)
+    twin = copy.deepcopy(model)
+    per = len(model) // schedule.num_stages
+    stages = {
+        s: Recorded(nn.Sequential(*list(model)[s * per : (s + 1) * per]))
+        for s in schedule.placement.stages_of(rank)
+    }
+    runner = PipelineRunner(schedule, stages, nn.MSELoss())
+    x, y = batch(m, 16)
+    loss = float(runner.step(x, y))
+    expected = reference(twin, x, y, m, "sum")
+    twins = dict(zip(map(id, model.parameters()), twin.parameters(), strict=True))
+    held = [p for stage in stages.values() for p in stage.parameters()]
+    pairs = sum(1 for op in schedule.actions[rank] if type(op).__name__ == "Overlap")
+    runner.close()
+    return {
+        "loss": loss,
+        "expected": expected,
+        "grad_error": max(relative_error(p.grad, twins[id(p)].grad) for p in held),
+        "hook_calls": sum(s.pairs for s in stages.values()),
+        "pairs": pairs,
+    }

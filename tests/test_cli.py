@@ -144,3 +144,31 @@ def test_installed_entry_point():
         check=True,
     )
     assert "rank 1: 1F0 1B0 1F1 1B1" in result.stdout
+
+
+@pytest.mark.timeout(180)
+def test_train_runs_local_processes_and_the_loss_goes_down(capsys):
+    code, out, _ = run(capsys, "train", "-s", "1f1b", "-n", "2", "--steps", "6")
+    assert code == 0
+    summary = next(line for line in out.splitlines() if line.startswith("6 steps"))
+    first, last = (float(v) for v in summary.split("loss ")[1].split(" -> "))
+    assert last < first
+
+
+@pytest.mark.timeout(180)
+def test_train_emulate_shows_measured_beside_simulated_and_writes_a_trace(capsys, tmp_path):
+    from cutpipe.sim import Timeline
+
+    trace = tmp_path / "trace.json"
+    code, out, _ = run(
+        capsys, "train", "-s", "zbh1", "-n", "2", "-m", "4", "--emulate", "--steps", "1",
+        "--time-unit", "0.01", "--trace", str(trace),
+    )  # fmt: skip
+    assert code == 0 and "measured" in out and "simulated" in out
+    timeline = Timeline.load(trace)
+    assert timeline.source == "measured" and timeline.schedule.name == "zbh1"
+
+
+def test_train_rejects_a_shape_before_starting_processes(capsys):
+    code, _, err = run(capsys, "train", "-s", "dualpipe", "-n", "3")
+    assert code == 2 and "even number of ranks" in err

@@ -74,3 +74,31 @@ def test_a_failing_rank_stops_every_rank_naming_it(how):
         if outcome.ok:
             seconds = float(text.split("after ")[1].split("s:")[0])
             assert seconds < 60
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("case", "culprit", "message"),
+    [
+        ("ranks", None, "is for 3 ranks but the process group has 2"),
+        ("modules", None, "it was given modules for stages"),
+        ("batch", 0, "does not split into 4 equal microbatches: use a batch size divisible by 4"),
+        ("loss", 1, "loss_fn must return a scalar tensor, got (2, 8)"),
+    ],
+)
+def test_bad_input_raises_a_message_that_says_what_to_change(case, culprit, message):
+    results = run(workers.bad_inputs, 2, (case,), timeout=120)
+    for rank, result in enumerate(results):
+        assert message in result, result
+        if culprit is None or rank == culprit:
+            assert result.startswith("ValueError"), result
+        else:  # a rank waiting for the culprit stops too, naming it
+            assert result.startswith("PipelineError") and f"rank {culprit} failed" in result
+
+
+@pytest.mark.timeout(120)
+def test_an_overlap_hook_runs_every_pair_and_keeps_gradients_exact():
+    for result in run(workers.overlap_hook, 2, timeout=90):
+        assert result["hook_calls"] == result["pairs"] > 0
+        assert result["loss"] == pytest.approx(result["expected"], rel=1e-6)
+        assert result["grad_error"] <= 1e-6

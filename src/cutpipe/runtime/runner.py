@@ -232,7 +232,7 @@ class PipelineRunner:
         if 0 <= position < len(self._ops):
             op = self._ops[position]
             return str(self.schedule.codec.decode(op.code))
-        return "no action"
+        return "its set-up, before any action"
 
     def _microbatches(self, value: Any, name: str) -> list[tuple[torch.Tensor, ...]]:
         """Split a tensor or tuple of tensors along dim 0 into the schedule's microbatches."""
@@ -280,39 +280,21 @@ class PipelineRunner:
         """Run one step; return the loss (sum or mean over the microbatches) on every rank.
 
         Under ``torch.no_grad()`` only the forwards run. Without targets (or a loss function) the
-        last stage keeps its outputs for ``outputs()`` and the step returns None.
+        last stage keeps its outputs for ``outputs()`` and the step returns None. Bad input raises
+        on the rank that got it before it communicates; the other ranks, already waiting for it,
+        then stop with a ``PipelineError`` that quotes it.
         """
         training = torch.is_grad_enabled()
         program = self._program if training else self._forward_only()
-        stages = program.stages
-        needs_inputs = 0 in stages and not self._emulated
-        needs_targets = self.schedule.num_stages - 1 in stages and self._loss_fn is not None
-        if needs_inputs and inputs is None:
-            raise ValueError(
-                f"rank {self.rank} holds the first stage: pass the batch's inputs to step()"
-            )
-        if training and needs_targets and targets is None and not self._emulated:
-            raise ValueError(
-                f"rank {self.rank} holds the last stage: pass the targets to step() for training"
-            )
-        if self._record and not training:
-            raise ValueError(
-                "record_timeline measures training steps; run step() with grad enabled"
-            )
-        batch = self._microbatches(inputs, "inputs") if needs_inputs else None
-        split_targets: list[Any] = []
-        if needs_targets and targets is not None:
-            split_targets = self._microbatches(targets, "targets")
-            if isinstance(targets, torch.Tensor):
-                split_targets = [t[0] for t in split_targets]
-        m = self.schedule.num_microbatches
-        self._executor.begin_step(split_targets, 1.0 / m if self.loss_reduction == "mean" else 1.0)
-        self._ops = program.ops
-        self._outbox = program.outbox
+        self._ops, self._outbox = program.ops, program.outbox
         guard = self._guard
         try:
             if guard is not None:
                 guard.enter_step()
+            batch, targets_by_microbatch = self._read_batch(program, training, inputs, targets)
+            m = self.schedule.num_microbatches
+            scale = 1.0 / m if self.loss_reduction == "mean" else 1.0
+            self._executor.begin_step(targets_by_microbatch, scale)
             if self._mailbox is not None:
                 self._mailbox.begin_step(program, self._signature(batch))
             self._run(program, batch)
@@ -320,11 +302,10 @@ class PipelineRunner:
                 self._mailbox.end_step()
             for work in self._pending_collectives:
                 wait(work, None)
-            self._pending_collectives.clear()
             self._executor.end_step()
             if training and self._mirror is not None and not self._emulated:
                 self._sum_copies()
-            loss = self._total_loss()
+            return self._total_loss()
         except PeerLost as lost:
             raise self._peer_failure(lost) from None
         except PipelineError:
@@ -341,7 +322,33 @@ class PipelineRunner:
             self._position = -1
             self._handoff.clear()
             self._pending_collectives.clear()
-        return loss
+
+    def _read_batch(
+        self, program: RankProgram, training: bool, inputs: Any, targets: Any
+    ) -> tuple[list[Any] | None, list[Any]]:
+        """This rank's microbatches of inputs and targets, or a ValueError saying what to pass."""
+        stages = program.stages
+        needs_inputs = 0 in stages and not self._emulated
+        needs_targets = self.schedule.num_stages - 1 in stages and self._loss_fn is not None
+        if needs_inputs and inputs is None:
+            raise ValueError(
+                f"rank {self.rank} holds the first stage: pass the batch's inputs to step()"
+            )
+        if training and needs_targets and targets is None:
+            raise ValueError(
+                f"rank {self.rank} holds the last stage: pass the targets to step() for training"
+            )
+        if self._record and not training:
+            raise ValueError(
+                "record_timeline measures training steps; run step() with grad enabled"
+            )
+        batch = self._microbatches(inputs, "inputs") if needs_inputs else None
+        split_targets: list[Any] = []
+        if needs_targets and targets is not None:
+            split_targets = self._microbatches(targets, "targets")
+            if isinstance(targets, torch.Tensor):
+                split_targets = [t[0] for t in split_targets]
+        return batch, split_targets
 
     def _forward_only(self) -> RankProgram:
         if self._forward_program is None:
