@@ -497,14 +497,24 @@ class PipelineRunner:
         if self._times is None:
             raise ValueError("build the runner with record_timeline=True to measure timelines")
         if self.group is None:
-            gathered = [self._times]
-        else:
-            gathered = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(self._times, gathered, dst=self._global[0], group=self.group)
-        if self.rank != 0:
+            return Timeline(
+                self.schedule, [self._times[0]], [self._times[1]], unit="s", source="measured"
+            )
+        # every rank's op count is known from the schedule: gather padded tensors, no pickling
+        longest = max(map(len, self.schedule.codes))
+        mine = torch.zeros(2, longest, dtype=torch.float64, device=self.device)
+        count = len(self._times[0])
+        mine[0, :count] = torch.tensor(self._times[0], dtype=torch.float64)
+        mine[1, :count] = torch.tensor(self._times[1], dtype=torch.float64)
+        gathered = (
+            [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
+        )
+        collective(dist.gather, mine, gathered, dst=self._global[0], group=self.group)
+        if gathered is None:
             return None
-        starts = [g[0] for g in gathered]
-        ends = [g[1] for g in gathered]
+        counts = [len(ops) for ops in self.schedule.codes]
+        starts = [g[0, :n].tolist() for g, n in zip(gathered, counts, strict=True)]
+        ends = [g[1, :n].tolist() for g, n in zip(gathered, counts, strict=True)]
         return Timeline(self.schedule, starts, ends, unit="s", source="measured")
 
     def close(self) -> None:
