@@ -102,3 +102,22 @@ def test_an_overlap_hook_runs_every_pair_and_keeps_gradients_exact():
         assert result["hook_calls"] == result["pairs"] > 0
         assert result["loss"] == pytest.approx(result["expected"], rel=1e-6)
         assert result["grad_error"] <= 1e-6
+
+
+@pytest.mark.timeout(180)
+def test_runs_under_torchrun():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "examples" / "torchrun_train.py"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), "--schedule", "zbv", "--steps", "3"],
+        capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    losses = [
+        float(line.split()[-1]) for line in result.stdout.splitlines() if line.startswith("step")
+    ]
+    assert len(losses) == 3 and losses[-1] < losses[0]

@@ -76,6 +76,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "schedule": args.schedule, "microbatches": m, "steps": args.steps, "batch": batch,
         "width": args.width, "blocks": blocks, "lr": args.lr, "emulate": args.emulate,
         "costs": args.costs, "time_unit": args.time_unit, "trace": args.trace,
+        "backend": args.backend,
     }  # fmt: skip
 
 
@@ -90,6 +91,10 @@ def train_rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]
 
     schedule = generate(options["schedule"], world, options["microbatches"])
     record = options["emulate"] or options["trace"] is not None
+    device = torch.device("cpu")
+    if options["backend"] == "nccl":  # one GPU per rank
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     if options["emulate"]:
         costs = options["costs"] or Costs()
         runner = PipelineRunner(
@@ -98,7 +103,7 @@ def train_rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]
         optimizer = None
         x = y = None
     else:
-        model = mlp(options["blocks"], options["width"], seed=0)
+        model = mlp(options["blocks"], options["width"], seed=0).to(device)
         runner = PipelineRunner.from_sequential(schedule, model, nn.MSELoss(), loss_reduction="mean",
                                                 record_timeline=record)  # fmt: skip
         parameters = [p for stage in runner._modules.values() for p in stage.parameters()]
@@ -110,6 +115,7 @@ def train_rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]
         )
         x = torch.randn(options["batch"], options["width"], generator=generator)
         y = torch.tanh(x @ teacher)
+        x, y = x.to(device), y.to(device)
     losses, seconds = [], []
     progress = None
     if rank == 0:

@@ -32,14 +32,19 @@ class EmulatedExecutor:
     """Sleeps ``cost * time_unit`` seconds per op and passes a one-element token on."""
 
     def __init__(
-        self, schedule: Schedule, costs: Costs, time_unit: float, w_memory: float = 0.5
+        self,
+        schedule: Schedule,
+        costs: Costs,
+        time_unit: float,
+        w_memory: float = 0.5,
+        device: torch.device | None = None,
     ) -> None:
         if time_unit <= 0:
             raise ValueError(f"time_unit is seconds per cost unit and must be > 0, got {time_unit}")
         self._timing = costs.timing(schedule)
         self._unit = time_unit
         self._w_memory = w_memory
-        self._token = torch.zeros(1)
+        self._token = torch.zeros(1, device=device)  # on the device the backend sends from
         self.losses: list[torch.Tensor] = []
         self.outputs: dict[int, Value] = {}
         self.units = 0.0

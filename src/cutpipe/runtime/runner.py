@@ -128,7 +128,7 @@ class PipelineRunner:
             )
         else:
             self.device = torch.device(device or "cpu")
-            self._executor = EmulatedExecutor(schedule, emulate, time_unit, w_memory)
+            self._executor = EmulatedExecutor(schedule, emulate, time_unit, w_memory, self.device)
         self._modules = dict(stages or {})
         self._loss_fn = loss_fn
         self._emulated = emulate is not None
@@ -377,6 +377,13 @@ class PipelineRunner:
             f"{recorded}; rank {self.rank} stopped in {self._describe()}", rank=lost.peer
         )
 
+    def _clock(self) -> float:
+        """Seconds, for measured timelines; on a GPU after the queued kernels have finished
+        (recording then serialises the GPU with the host: a diagnostic mode)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     def _run(self, program: RankProgram, batch: list[Any] | None) -> None:
         executor, record = self._executor, self._record
         starts: list[float] = []
@@ -384,8 +391,8 @@ class PipelineRunner:
         if record:
             if self.group is not None:
                 collective(dist.barrier, group=self.group)
-            origin = time.perf_counter()
-        clock = time.perf_counter
+            origin = self._clock()
+        clock = self._clock
         ops, mailbox, needs, depth = program.ops, self._mailbox, program.needs, self._prefetch
         for index, op in enumerate(ops):
             self._position = index
