@@ -79,7 +79,7 @@ def cutpipe_step_fn(name: str, rank: int, world: int, width: int):
     schedule = generate(name, world, MICROBATCHES)
     # like torch's schedules, keep the loss on the rank that computes it (no extra all-reduce)
     runner = PipelineRunner.from_sequential(schedule, model, nn.MSELoss(), loss_on_every_rank=False)
-    parameters = [p for stage in runner._modules.values() for p in stage.parameters()]
+    parameters = runner.parameters()
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         for p in parameters:

@@ -37,7 +37,7 @@ def main() -> None:
     schedule = generate(args.schedule, dist.get_world_size(), args.microbatches)
     model = mlp(blocks=16, width=64, seed=0).to(device)
     runner = PipelineRunner.from_sequential(schedule, model, nn.MSELoss(), loss_reduction="mean")
-    parameters = [p for stage in runner._modules.values() for p in stage.parameters()]
+    parameters = runner.parameters()
     optimizer = torch.optim.SGD(parameters, lr=0.5)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(8 * args.microbatches, 64, generator=generator).to(device)

@@ -106,7 +106,7 @@ def train_rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]
         model = mlp(options["blocks"], options["width"], seed=0).to(device)
         runner = PipelineRunner.from_sequential(schedule, model, nn.MSELoss(), loss_reduction="mean",
                                                 record_timeline=record)  # fmt: skip
-        parameters = [p for stage in runner._modules.values() for p in stage.parameters()]
+        parameters = runner.parameters()
         optimizer = torch.optim.SGD(parameters, lr=options["lr"])
         generator = torch.Generator().manual_seed(1)
         teacher = (

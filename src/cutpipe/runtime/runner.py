@@ -205,13 +205,23 @@ class PipelineRunner:
             heartbeat, dead_after, exit_after,
         )  # fmt: skip
 
-    def _parameters(self) -> list[nn.Parameter]:
-        return [p for stage in sorted(self._modules) for p in self._modules[stage].parameters()]
+    @property
+    def modules(self) -> dict[int, nn.Module]:
+        """This rank's stage modules, by stage."""
+        return dict(self._modules)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, stage by stage: what its optimizer should update."""
+        seen: dict[int, nn.Parameter] = {}
+        for stage in sorted(self._modules):
+            for parameter in self._modules[stage].parameters():
+                seen.setdefault(id(parameter), parameter)
+        return list(seen.values())
 
     @torch.no_grad()
     def _copy_parameters_from(self, source: int) -> None:
         """Make DualPipe's two copies of each stage start equal (the lower rank's wins)."""
-        parameters = self._parameters()
+        parameters = self.parameters()
         if parameters:
             flat = torch.cat([p.detach().reshape(-1) for p in parameters])
             dist.broadcast(flat, src=source, group=self._mirror)
@@ -463,7 +473,7 @@ class PipelineRunner:
     @torch.no_grad()
     def _sum_copies(self) -> None:
         """Add up the gradients of DualPipe's two copies of each stage (this rank and its mirror)."""
-        parameters = self._parameters()
+        parameters = self.parameters()
         if not parameters:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
