@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cutpipe.cli import compare, schedule, simulate, train
+from cutpipe.cli import compare, draw, schedule, simulate, train
 from cutpipe.schedule.validate import ScheduleError
 
 
@@ -15,7 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pipeline-parallel schedules: generate, validate, simulate and compare.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (simulate, compare, schedule, train):
+    for module in (simulate, compare, schedule, draw, train):
         module.register(commands)
     return parser
 

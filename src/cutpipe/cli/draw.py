@@ -1,0 +1,120 @@
+"""``cutpipe draw``: pictures of simulated or measured timelines.
+
+The output file's ending picks the format: .png or .svg (matplotlib), .html (an interactive page
+that opens without network), .json (a Chrome trace for Perfetto or chrome://tracing).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from cutpipe.cli.common import add_costs_argument
+from cutpipe.schedule.registry import SCHEDULES, generate, schedule_info
+from cutpipe.sim.costs import Costs
+from cutpipe.sim.simulate import simulate
+from cutpipe.sim.timeline import Timeline
+
+FORMATS = (".png", ".svg", ".html", ".json")
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "draw", help="draw a timeline as PNG, SVG, interactive HTML or a Chrome trace",
+        description=__doc__.splitlines()[0],
+    )  # fmt: skip
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--schedule", "-s", metavar="NAME", help=f"one of: {', '.join(SCHEDULES)}")
+    what.add_argument(
+        "--compare", metavar="A,B,...", help="several schedules stacked on one time axis"
+    )
+    what.add_argument(
+        "--timeline",
+        metavar="FILE",
+        help="a timeline written by simulate --timeline or train --trace",
+    )
+    parser.add_argument(
+        "--ranks", "-r", help="ranks; with --compare one per schedule (a,b,c) or one for all"
+    )
+    parser.add_argument(
+        "--microbatches", "-m", help="microbatches; with --compare one per schedule or one for all"
+    )
+    add_costs_argument(parser, "", "stage of each schedule")
+    parser.add_argument("--vs-sim", action="store_true",
+                        help="with --timeline: overlay the simulator's prediction from the measured op times")  # fmt: skip
+    parser.add_argument(
+        "--output", "-o", required=True, metavar="FILE", help=f"ending: {', '.join(FORMATS)}"
+    )
+    parser.set_defaults(run=run)
+
+
+def _per_schedule(value: str | None, count: int, name: str) -> list[int]:
+    if value is None:
+        raise ValueError(f"--{name} is required to draw a schedule")
+    try:
+        numbers = [int(v) for v in value.split(",")]
+    except ValueError:
+        raise ValueError(f"--{name} takes integers separated by commas, got {value!r}") from None
+    if len(numbers) == 1:
+        return numbers * count
+    if len(numbers) != count:
+        raise ValueError(
+            f"--{name} lists {len(numbers)} values for {count} schedules: give one or one each"
+        )
+    return numbers
+
+
+def run(args: argparse.Namespace) -> int:
+    from cutpipe.viz import scene
+
+    output = Path(args.output)
+    if output.suffix.lower() not in FORMATS:
+        raise ValueError(
+            f"cannot write {output.suffix or 'a file without an ending'}: use one of {', '.join(FORMATS)}"
+        )
+    costs: Costs = args.costs or Costs()
+    ghosts = None
+    if args.timeline:
+        timeline = Timeline.load(args.timeline)
+        timelines, per_costs = [timeline], [costs]
+        if args.vs_sim:
+            from cutpipe.sim.fit import fitted_costs
+
+            fitted = fitted_costs(timeline, costs)
+            ghosts = [simulate(timeline.schedule, fitted)]
+            per_costs = [fitted]
+    else:
+        if args.vs_sim:
+            raise ValueError(
+                "--vs-sim overlays a simulation on a measured timeline: use it with --timeline"
+            )
+        names = (
+            [args.schedule]
+            if args.schedule
+            else [n.strip() for n in args.compare.split(",") if n.strip()]
+        )
+        for name in names:
+            schedule_info(name)
+        ranks = _per_schedule(args.ranks, len(names), "ranks")
+        microbatches = _per_schedule(args.microbatches, len(names), "microbatches")
+        timelines = [
+            simulate(generate(n, r, m), costs)
+            for n, r, m in zip(names, ranks, microbatches, strict=True)
+        ]
+        per_costs = [costs] * len(timelines)
+    drawing = scene(timelines, per_costs, ghosts)
+    suffix = output.suffix.lower()
+    if suffix in (".png", ".svg"):
+        from cutpipe.viz import png
+
+        count = png.save(drawing, output)
+    elif suffix == ".html":
+        from cutpipe.viz import html
+
+        count = html.save(drawing, output)
+    else:
+        from cutpipe.viz import chrome_trace
+
+        count = chrome_trace.save(drawing, output)
+    print(f"wrote {output}: {count} ops of {len(timelines)} timeline(s)")
+    return 0

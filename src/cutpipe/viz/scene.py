@@ -1,0 +1,205 @@
+"""What a picture of a timeline shows, independent of how it is drawn.
+
+A ``Scene`` holds one or more *panels* (a schedule's timeline each, stacked on one time axis): per
+op a box with its rank, start, end, kind, stage, microbatch, leg (the two directions of DualPipe,
+the two legs of a V) and what it waited for; per rank the live activation memory over time; and
+the metrics. The PNG/SVG, HTML and Chrome-trace writers all render a scene, and the tests check
+scenes rather than pixels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cutpipe.schedule.actions import Action, Kind, Overlap, units
+from cutpipe.sim.costs import Costs
+from cutpipe.sim.memory import activation_trace
+from cutpipe.sim.metrics import Metrics, metrics
+from cutpipe.sim.timeline import Timeline
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """One op on one rank."""
+
+    rank: int
+    start: float
+    end: float
+    kind: str  # "F", "B", "W", "BW" or "FB"
+    stage: int  # for an overlapped pair: the forward's
+    microbatch: int  # for an overlapped pair: the forward's
+    leg: int  # 0 or 1: which direction (DualPipe) or leg of the V (ZB-V, DualPipeV) it runs in
+    name: str  # the op in PyTorch's notation, e.g. "3F1" or "(0F7;7B3)"
+    label: str  # what fits in the box: the microbatch (counted per direction), "7/3" for a pair
+    waited: str  # why it started when it did
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One schedule's timeline, ready to draw."""
+
+    title: str
+    timeline: Timeline
+    boxes: list[Box]
+    memory: list[list[tuple[float, float]]]  # per rank: (time, live activations) steps
+    metrics: Metrics
+    ghost: list[Box] | None = None  # a simulated prediction drawn over a measured timeline
+
+    @property
+    def ranks(self) -> int:
+        return self.timeline.num_ranks
+
+
+@dataclass(frozen=True)
+class Scene:
+    panels: list[Panel]
+    unit: str  # "cost" (the cost model's units) or "s"
+
+    @property
+    def end(self) -> float:
+        return max(max((b.end for b in p.boxes), default=0.0) for p in self.panels)
+
+    @property
+    def box_count(self) -> int:
+        return sum(len(p.boxes) for p in self.panels)
+
+
+def _index_in_pipe(timeline: Timeline, microbatch: int) -> int:
+    """A microbatch's number within its direction (DualPipe numbers each direction from 0)."""
+    schedule = timeline.schedule
+    pipe = schedule.pipe_of(microbatch)
+    return microbatch - schedule.placement.microbatches_of(pipe, schedule.num_microbatches).start
+
+
+def _leg(timeline: Timeline, action: Action) -> int:
+    """Direction or leg an action runs in: DualPipe's pipe, a V's second half, else 0."""
+    schedule = timeline.schedule
+    placement = schedule.placement
+    if placement.num_pipes > 1:
+        return schedule.pipe_of(action.microbatch)
+    if placement.kind == "v":
+        return int(action.stage >= placement.num_ranks)
+    return 0
+
+
+def _needs(action: Action, num_stages: int) -> tuple[str, int, int] | None:
+    """The output an action receives: ("F" | "G", stage, microbatch), or None."""
+    if action.kind is Kind.F and action.stage > 0:
+        return ("F", action.stage - 1, action.microbatch)
+    if action.kind in (Kind.B, Kind.BW) and action.stage < num_stages - 1:
+        return ("G", action.stage + 1, action.microbatch)
+    return None
+
+
+def _boxes(timeline: Timeline, comm: float) -> list[Box]:
+    schedule = timeline.schedule
+    S = schedule.num_stages
+    produced: dict[tuple[str, int, int], tuple[int, float, str]] = {}
+    for rank in range(timeline.num_ranks):
+        for op, _, end in timeline.events(rank):
+            for action in units(op):
+                if action.kind is not Kind.W:
+                    key = ("F" if action.kind is Kind.F else "G", action.stage, action.microbatch)
+                    produced[key] = (rank, end, str(action))
+    boxes = []
+    for rank in range(timeline.num_ranks):
+        free_at, previous = timeline.begin, None
+        for op, start, end in timeline.events(rank):
+            halves = units(op)
+            head = halves[0]
+            latest = None
+            for action in halves:
+                need = _needs(action, S)
+                if need is not None and need in produced:
+                    source, ready, name = produced[need]
+                    ready += comm if source != rank else 0.0
+                    if latest is None or ready > latest[0]:
+                        latest = (ready, name, source)
+            if latest is not None and latest[0] > free_at + 1e-12:
+                waited = f"waited for {latest[1]} from rank {latest[2]} (ready at {latest[0]:.6g})"
+            elif previous is None:
+                waited = "first op of the rank"
+            else:
+                waited = f"started when {previous} ended: the rank was busy, not waiting"
+            if type(op) is Overlap:
+                forward = _index_in_pipe(timeline, op.forward.microbatch)
+                backward = _index_in_pipe(timeline, op.backward.microbatch)
+                kind, label, name = (
+                    "FB",
+                    f"{forward}/{backward}",
+                    str(op).removesuffix("OVERLAP_F_B"),
+                )
+            else:
+                kind, label, name = (
+                    head.kind.name,
+                    str(_index_in_pipe(timeline, head.microbatch)),
+                    str(head),
+                )
+            boxes.append(
+                Box(
+                    rank,
+                    start,
+                    end,
+                    kind,
+                    head.stage,
+                    head.microbatch,
+                    _leg(timeline, head),
+                    name,
+                    label,
+                    waited,
+                )
+            )
+            free_at, previous = end, name
+    return boxes
+
+
+def _memory(timeline: Timeline, costs: Costs) -> list[list[tuple[float, float]]]:
+    """Per rank: live activations at each op start (the op's high) and end (after it)."""
+    traces = activation_trace(timeline.schedule, costs)
+    series = []
+    for rank, trace in enumerate(traces):
+        points = [(timeline.begin, 0.0)]
+        for (high, after), start, end in zip(
+            trace, timeline.starts[rank], timeline.ends[rank], strict=True
+        ):
+            points.append((start, high))
+            points.append((end, after))
+        series.append(points)
+    return series
+
+
+def panel(timeline: Timeline, costs: Costs | None = None, ghost: Timeline | None = None) -> Panel:
+    """A drawable panel of ``timeline``; ``ghost``, a simulated timeline, is drawn over it."""
+    costs = costs or Costs()
+    schedule = timeline.schedule
+    result = metrics(timeline, costs)
+    measured = "measured " if timeline.source == "measured" else ""
+    title = (
+        f"{measured}{schedule.name}: R={schedule.num_ranks}, m={schedule.num_microbatches}, "
+        f"bubble {result.bubble_ratio:.1%} (span {result.bubble_ratio_span:.1%}), "
+        f"peak activations {max(result.peak_activations_per_rank):g}"
+    )
+    comm = costs.comm if timeline.source == "simulated" else 0.0
+    return Panel(
+        title=title,
+        timeline=timeline,
+        boxes=_boxes(timeline, comm),
+        memory=_memory(timeline, costs),
+        metrics=result,
+        ghost=_boxes(ghost, costs.comm) if ghost is not None else None,
+    )
+
+
+def scene(timelines: list[Timeline], costs: list[Costs] | Costs | None = None,
+          ghosts: list[Timeline | None] | None = None) -> Scene:  # fmt: skip
+    """A scene of one panel per timeline, all on one time axis (their units must agree)."""
+    if not timelines:
+        raise ValueError("nothing to draw: give at least one timeline")
+    units_ = {t.unit for t in timelines}
+    if len(units_) > 1:
+        raise ValueError(f"cannot stack timelines in different units on one axis: {sorted(units_)}")
+    per = costs if isinstance(costs, list) else [costs] * len(timelines)
+    ghosts = ghosts or [None] * len(timelines)
+    return Scene(
+        [panel(t, c, g) for t, c, g in zip(timelines, per, ghosts, strict=True)], units_.pop()
+    )
