@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cutpipe.runtime.chain import Chain
 from cutpipe.runtime.comm import HEADER_LENGTH, Mailbox, PeerLost, encode_header, meta_of, wait
 from cutpipe.runtime.emulate import EmulatedExecutor
 from cutpipe.runtime.executor import StageExecutor, Value
@@ -174,15 +175,14 @@ class PipelineRunner:
         **options: Any,
     ) -> PipelineRunner:
         """A runner for this rank's stages of ``model``: consecutive layers, ``partition[s]`` of
-        them in stage ``s`` (default: as even as possible)."""
+        them in stage ``s`` (default: as even as possible). Layers may pass tuples along."""
         group = options.get("group")
         rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
         sizes = stage_sizes(len(model), schedule.num_stages, partition)
         bounds = [sum(sizes[:s]) for s in range(len(sizes) + 1)]
         layers = list(model)
         stages = {
-            s: nn.Sequential(*layers[bounds[s] : bounds[s + 1]])
-            for s in schedule.placement.stages_of(rank)
+            s: Chain(*layers[bounds[s] : bounds[s + 1]]) for s in schedule.placement.stages_of(rank)
         }
         return cls(schedule, stages, loss_fn, **options)
 

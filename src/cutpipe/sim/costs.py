@@ -27,8 +27,8 @@ class Costs:
         fb: time of an overlapped F&B pair. None: the pair's compute (F plus its backward) or its
             two all-to-alls, whichever is longer, i.e. communication fully hidden.
         comm: point-to-point latency added to every input that crosses ranks.
-        ep_f, ep_b: expert-parallel all-to-all time inside each F and each B / BW. Exposed
-            (added to the op's time) unless the op runs in an overlapped pair.
+        ep_f, ep_b: expert-parallel all-to-all time inside each F and each B / BW, per stage.
+            Exposed (added to the op's time) unless the op runs in an overlapped pair.
         activation: memory an F leaves live, in units of one stage-microbatch activation.
         w_memory: fraction of that activation a B keeps for its W (the W frees it).
         params: parameter size of each stage; None: all stages equal.
@@ -41,8 +41,8 @@ class Costs:
     w: PerStage = 1.0
     fb: float | None = None
     comm: float = 0.0
-    ep_f: float = 0.0
-    ep_b: float = 0.0
+    ep_f: PerStage = 0.0
+    ep_b: PerStage = 0.0
     activation: PerStage = 1.0
     w_memory: float = 0.5
     params: Sequence[float] | None = None
@@ -97,8 +97,8 @@ class Costs:
             b=times(self.b),
             w=times(self.w),
             fb=None if self.fb is None else self.fb * factor,
-            ep_f=self.ep_f * factor,
-            ep_b=self.ep_b * factor,
+            ep_f=times(self.ep_f),
+            ep_b=times(self.ep_b),
             activation=times(self.activation),
             ep_bytes=self.ep_bytes * factor,
         )
@@ -116,17 +116,25 @@ class Costs:
             return [float(v) for v in value]
         return [float(value)] * num_stages
 
+    def has_ep(self) -> bool:
+        """Whether any op carries expert-parallel all-to-all time."""
+        return any(
+            v
+            for value in (self.ep_f, self.ep_b)
+            for v in (value if isinstance(value, Sequence) else [value])
+        )
+
     def is_uniform(self, num_stages: int) -> bool:
         return all(len(set(self.per_stage(n, num_stages))) == 1 for n in ("f", "b", "w"))
 
     def timing(self, schedule: Schedule) -> Timing:
         """Per-slot duration tables for ``walk``."""
         S, m = schedule.num_stages, schedule.num_microbatches
-        f, b, w = (self.per_stage(n, S) for n in ("f", "b", "w"))
-        forward = [x + self.ep_f for x in f]
-        backward = [x + self.ep_b for x in b]
-        full = [x + y + self.ep_b for x, y in zip(b, w, strict=True)]
-        overlap, ep_pair = self.fb, self.ep_f + self.ep_b
+        f, b, w, ep_f, ep_b = (self.per_stage(n, S) for n in ("f", "b", "w", "ep_f", "ep_b"))
+        forward = [x + e for x, e in zip(f, ep_f, strict=True)]
+        backward = [x + e for x, e in zip(b, ep_b, strict=True)]
+        full = [x + y + e for x, y, e in zip(b, w, ep_b, strict=True)]
+        overlap = self.fb
 
         def pair(forward_code: int, backward_code: int) -> float:
             if overlap is not None:
@@ -134,6 +142,6 @@ class Costs:
             fs = (forward_code >> KIND_BITS) % S
             bs = (backward_code >> KIND_BITS) % S
             grad = b[bs] + w[bs] if backward_code & KIND_MASK == BW_CODE else b[bs]
-            return max(f[fs] + grad, ep_pair)
+            return max(f[fs] + grad, ep_f[fs] + ep_b[bs])
 
         return Timing(forward * m, backward * m, w * m, full * m, pair, self.comm)

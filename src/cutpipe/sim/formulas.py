@@ -86,7 +86,7 @@ def _uniform(costs: Costs, stages: int) -> tuple[float, float, float] | None:
 
 
 def _no_communication(costs: Costs) -> bool:
-    return not (costs.comm or costs.ep_f or costs.ep_b)
+    return not costs.comm and not costs.has_ep()
 
 
 def _linear_form(fn: Callable[[int, float, float, float], float | None]) -> Callable:

@@ -1,0 +1,175 @@
+"""A decoder-only transformer, dense or mixture-of-experts, cut into pipeline stages by layer.
+
+Built from a ``ModelSpec`` (``cutpipe.plan.costs``): an embedding, ``layers`` blocks (pre-norm
+causal attention, then a gated MLP or a top-k routed mixture of experts), and a head. Every
+module between stages takes and returns ``(hidden, aux)``: ``aux`` accumulates the MoE
+load-balancing loss along the pipeline, so the last stage can add it to the loss.
+
+All experts of an ``MoE`` live on this rank here; expert parallelism replaces its dispatch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cutpipe.plan.costs import ModelSpec
+from cutpipe.runtime.chain import Chain
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention (grouped key/value heads if ``kv_heads < heads``)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int = 0) -> None:
+        super().__init__()
+        self.heads, self.kv_heads = heads, kv_heads or heads
+        self.head_dim = hidden // heads
+        self.q = nn.Linear(hidden, hidden, bias=False)
+        self.kv = nn.Linear(hidden, 2 * self.kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q = self.q(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(batch, length, 2, self.kv_heads, self.head_dim).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if self.kv_heads != self.heads:
+            repeat = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class MLP(nn.Module):
+    """A gated (SwiGLU) or plain (GELU) MLP."""
+
+    def __init__(self, hidden: int, ffn: int, gated: bool = True) -> None:
+        super().__init__()
+        self.gated = gated
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.gate = nn.Linear(hidden, ffn, bias=False) if gated else None
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(F.gelu(self.up(x)))
+
+
+class MoE(nn.Module):
+    """Top-k routed experts with a Switch-style load-balancing loss; every expert is local."""
+
+    def __init__(
+        self, hidden: int, ffn: int, experts: int, top_k: int, shared: int = 0, gated: bool = True
+    ) -> None:
+        super().__init__()
+        if top_k > experts:
+            raise ValueError(f"top_k {top_k} is more than the {experts} experts")
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(MLP(hidden, ffn, gated) for _ in range(experts))
+        self.shared = nn.ModuleList(MLP(hidden, ffn, gated) for _ in range(shared))
+
+    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(expert of each token's choices, their weights, the load-balancing loss)."""
+        probabilities = self.router(tokens).softmax(-1)
+        weights, chosen = probabilities.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        count = len(self.experts)
+        load = F.one_hot(chosen, count).float().sum((0, 1)) / (tokens.shape[0] * self.top_k)
+        balance = count * (load * probabilities.mean(0)).sum()
+        return chosen, weights, balance
+
+    def experts_forward(
+        self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(tokens)
+        for index, expert in enumerate(self.experts):
+            rows, slot = (chosen == index).nonzero(as_tuple=True)
+            if rows.numel():
+                out = out.index_add(0, rows, expert(tokens[rows]) * weights[rows, slot, None])
+        return out
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = x.reshape(-1, x.shape[-1])
+        chosen, weights, balance = self.route(tokens)
+        out = self.experts_forward(tokens, chosen, weights)
+        for expert in self.shared:
+            out = out + expert(tokens)
+        return out.view_as(x), balance
+
+
+class Layer(nn.Module):
+    """One pre-norm block: attention, then an MLP or an MoE; adds its balance loss to ``aux``."""
+
+    def __init__(self, spec: ModelSpec, index: int) -> None:
+        super().__init__()
+        self.attention_norm, self.mlp_norm = RMSNorm(spec.hidden), RMSNorm(spec.hidden)
+        self.attention = Attention(spec.hidden, spec.heads, spec.kv_heads)
+        if spec.moe and index >= spec.dense_layers:
+            self.mlp: nn.Module = MoE(
+                spec.hidden, spec.ffn, spec.experts, spec.top_k, spec.shared_experts, spec.gated_mlp
+            )
+        else:
+            self.mlp = MLP(spec.hidden, spec.dense_ffn or spec.ffn, spec.gated_mlp)
+
+    def forward(self, x: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attention(self.attention_norm(x))
+        out = self.mlp(self.mlp_norm(x))
+        if isinstance(out, tuple):
+            out, balance = out
+            aux = aux + balance
+        return x + out, aux
+
+
+class Embedding(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.table = nn.Embedding(spec.vocab, spec.hidden)
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.table(tokens), torch.zeros((), device=tokens.device)
+
+
+class Head(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.norm = RMSNorm(spec.hidden)
+        self.out = nn.Linear(spec.hidden, spec.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.out(self.norm(x)), aux
+
+
+def language_model(spec: ModelSpec, seed: int = 0) -> Chain:
+    """[embedding, layer 0, ..., layer L-1, head]: the cost items of ``cutpipe.plan.costs``."""
+    torch.manual_seed(seed)
+    return Chain(Embedding(spec), *(Layer(spec, i) for i in range(spec.layers)), Head(spec))
+
+
+class LanguageModelLoss(nn.Module):
+    """Next-token cross entropy plus ``aux_weight`` times the summed load-balancing loss."""
+
+    def __init__(self, aux_weight: float = 0.01) -> None:
+        super().__init__()
+        self.aux_weight = aux_weight
+
+    def forward(
+        self, output: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor
+    ) -> torch.Tensor:
+        logits, aux = output
+        return (
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            + self.aux_weight * aux
+        )

@@ -1,0 +1,330 @@
+"""Costs from a model and a machine: per-layer F, B, W times, memory and traffic.
+
+A model is a stack of cost *items*: the embedding, the transformer layers, the head. For one
+microbatch of ``b`` sequences of ``s`` tokens (``T = b*s`` tokens), hidden size ``h``, ``a``
+attention heads of size ``d = h/a``, ``kv`` key/value heads, FFN size ``f`` (per expert in an MoE),
+``E`` routed experts of which each token uses ``k``, ``sh`` shared experts, vocabulary ``V``, and
+``p`` bytes per activation element (2 for bf16/fp16):
+
+Multiply-accumulates of one layer's forward:
+
+- attention projections: ``MACw_att = T*h*(2h + 2*kv*d)`` (Q, O: h x h; K, V: h x kv*d)
+- attention scores: ``MACs = T*s*h`` (QK^T and AV, ``2*T*s*h``, halved by the causal mask)
+- MLP: ``MACw_mlp = g*T*h*f`` with ``g = 3`` for a gated (SwiGLU) MLP, 2 otherwise; in an MoE
+  layer ``(k + sh)*g*T*h*f`` plus the router's ``T*h*E``
+
+Times, at ``throughput = peak FLOP/s * efficiency`` (every matmul is 2 FLOPs per MAC):
+
+- F = ``2*(MACw + MACs) / throughput``
+- B (input gradients) = ``2*(MACw + 2*MACs) / throughput``: one matmul per weight matmul, two
+  per attention-score matmul
+- W (weight gradients) = ``2*MACw / throughput``: one matmul per weight matmul
+- each is at least the time to stream the layer's parameters through memory once,
+  ``params*p / memory bandwidth`` (small microbatches are memory-bound)
+
+So F + B + W is three forwards, the usual rule. The embedding costs a gather in F and a
+scatter-add in W (``T*h*p`` bytes each, at memory bandwidth); the head is a ``T*h*V`` matmul in
+each of F, B and W.
+
+Activation memory a layer's forward keeps until its backward, in bytes (Korthikanti et al.'s
+``4sbh + 11sbh`` for the norms and attention at ``p = 2``, generalised):
+
+- norms and attention: ``7.5*p*T*h``, plus ``2.5*p*a*s*T`` for the attention scores unless
+  flash attention recomputes them
+- MLP, per active expert (``k + sh`` of them in an MoE layer, one in a dense one):
+  ``p*T*h + (g+1)*p*T*f`` (its input, the gate and up outputs, and the activation)
+
+What W still needs after B is the inputs of the weight matmuls and the gradients of their
+outputs: attention ``p*T*(4h + 2*kv*d)``, MLP ``p*T*(2h + g*f)`` per active expert; ``w_memory``
+is that over the whole, about 32h of 34h per token as the zero-bubble paper finds.
+
+Parameters: attention ``h*(2h + 2*kv*d)``, MLP ``g*h*f`` per expert (an MoE layer holds ``E + sh``
+experts and a ``h*E`` router; expert parallelism spreads the ``E`` routed experts over ``ep``
+ranks), norms ``2h``; embedding and head ``V*h`` each. Training state is 16 bytes per parameter
+(bf16 weights and gradients, fp32 Adam master weights and two moments).
+
+Traffic: a stage boundary carries ``T*h*p`` bytes each way. An MoE layer's forward sends its
+tokens to their experts and back (dispatch and combine), ``2*k*T*h*p*(ep-1)/ep`` bytes leaving the
+rank, and its backward the same; each transfer takes ``bytes / bandwidth + latency`` over NVLink
+when it stays in a node and the network otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+
+STATE_BYTES_PER_PARAMETER = 16
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer, dense or mixture-of-experts."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int  # FFN hidden size; per expert in an MoE
+    vocab: int
+    seq_len: int
+    microbatch_size: int = 1  # sequences per microbatch
+    experts: int = 0  # routed experts; 0 for a dense model
+    top_k: int = 1
+    shared_experts: int = 0
+    dense_layers: int = 0  # leading layers with a dense MLP in an MoE model
+    dense_ffn: int = 0  # their FFN size (default: ffn)
+    kv_heads: int = 0  # 0: as many as heads
+    dtype: str = "bf16"
+    gated_mlp: bool = True
+    flash_attention: bool = True
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in (
+            "layers",
+            "hidden",
+            "heads",
+            "ffn",
+            "vocab",
+            "seq_len",
+            "microbatch_size",
+            "top_k",
+        ):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("experts", "shared_experts", "dense_layers", "dense_ffn", "kv_heads"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            problems.append(f"hidden {self.hidden} must be a multiple of heads {self.heads}")
+        if self.experts and self.top_k > self.experts:
+            problems.append(f"top_k {self.top_k} is more than the {self.experts} experts")
+        if self.dense_layers > self.layers:
+            problems.append(
+                f"dense_layers {self.dense_layers} is more than the {self.layers} layers"
+            )
+        if self.dtype not in DTYPE_BYTES:
+            problems.append(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if problems:
+            raise ValueError(f"model {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in one microbatch."""
+        return self.microbatch_size * self.seq_len
+
+    @property
+    def element_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "model") -> ModelSpec:
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"{source}: unknown fields {unknown}; known: {', '.join(known)}")
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
+        if missing:
+            raise ValueError(f"{source}: missing fields {missing}")
+        kinds = {"int": int, "bool": bool, "str": str}
+        for name, value in data.items():
+            kind = kinds[known[name].type]
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"{source}: {name} must be {known[name].type}, got {value!r}")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelSpec:
+        """Read a model from a YAML or JSON file."""
+        text = Path(path).read_text()
+        if str(path).endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of model fields")
+        data.setdefault("name", Path(path).stem)
+        return cls.from_dict(data, str(path))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator and the links between them. Bandwidths are per GPU and direction."""
+
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    memory_bandwidth: float  # bytes/s
+    memory: float  # bytes
+    intra_bandwidth: float  # bytes/s within a node (NVLink)
+    inter_bandwidth: float  # bytes/s between nodes (network)
+    intra_latency: float = 5e-6  # s
+    inter_latency: float = 10e-6  # s
+    gpus_per_node: int = 8
+    efficiency: float = 0.5  # the fraction of peak FLOP/s a training step achieves
+
+    @property
+    def throughput(self) -> float:
+        return self.peak_flops * self.efficiency
+
+    def link(self, within_node: bool) -> tuple[float, float]:
+        """(bandwidth, latency) of a transfer inside a node or across nodes."""
+        if within_node:
+            return self.intra_bandwidth, self.intra_latency
+        return self.inter_bandwidth, self.inter_latency
+
+
+#: Public figures: dense BF16 tensor-core peak, HBM bandwidth and size, NVLink per direction
+#: (half the quoted bidirectional figure), one InfiniBand NIC per GPU (HDR 200 Gb/s, NDR 400 Gb/s).
+GPUS = {
+    "A100": Hardware("A100", 312e12, 2.039e12, 80e9, 300e9, 25e9),
+    "H100": Hardware("H100", 989e12, 3.35e12, 80e9, 450e9, 50e9),
+    "H200": Hardware("H200", 989e12, 4.8e12, 141e9, 450e9, 50e9),
+}
+
+
+def gpu(name: str) -> Hardware:
+    try:
+        return GPUS[name.upper()]
+    except KeyError:
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}") from None
+
+
+@dataclass(frozen=True)
+class ItemCost:
+    """What one cost item (embedding, a layer, the head) costs per microbatch on one rank."""
+
+    name: str
+    forward: float  # seconds
+    backward: float  # input-gradient backward, seconds
+    weight: float  # weight-gradient backward, seconds
+    activation: float  # bytes kept from F until B
+    parameters: float  # parameters stored on the rank (routed experts divided by ep)
+    ep_forward: float = 0.0  # all-to-all seconds inside F
+    ep_backward: float = 0.0  # all-to-all seconds inside B
+    ep_bytes: float = 0.0  # bytes one of those all-to-alls sends off the rank
+
+    @property
+    def state_bytes(self) -> float:
+        return self.parameters * STATE_BYTES_PER_PARAMETER
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _matmul_time(macs: float, params: float, model: ModelSpec, hardware: Hardware) -> float:
+    compute = 2 * macs / hardware.throughput
+    memory = params * model.element_bytes / hardware.memory_bandwidth
+    return max(compute, memory)
+
+
+def layer_cost(
+    model: ModelSpec, hardware: Hardware, index: int, ep: int = 1, ep_within_node: bool = True
+) -> ItemCost:
+    """One transformer layer (``index`` from 0) on one rank."""
+    T, s, h, a = model.tokens, model.seq_len, model.hidden, model.heads
+    d = h // a
+    kv = model.kv_heads or a
+    g = 3 if model.gated_mlp else 2
+    p = model.element_bytes
+    moe = model.moe and index >= model.dense_layers
+    ffn = model.ffn if moe or not model.dense_ffn else model.dense_ffn
+    attention_params = h * (2 * h + 2 * kv * d)
+    if moe:
+        active = model.top_k + model.shared_experts
+        mlp_macs = active * g * T * h * ffn + T * h * model.experts
+        held_experts = model.experts / ep + model.shared_experts
+        mlp_params = held_experts * g * h * ffn + h * model.experts
+    else:
+        active = 1
+        mlp_macs = g * T * h * ffn
+        mlp_params = g * h * ffn
+    weight_macs = T * attention_params + mlp_macs
+    score_macs = T * s * h
+    params = attention_params + mlp_params + 2 * h
+    activation = 7.5 * p * T * h + active * (p * T * h + (g + 1) * p * T * ffn)
+    if not model.flash_attention:
+        activation += 2.5 * p * a * s * T
+    ep_forward = ep_backward = ep_bytes = 0.0
+    if moe and ep > 1:
+        ep_bytes = model.top_k * T * h * p * (ep - 1) / ep  # one direction: dispatch or combine
+        bandwidth, latency = hardware.link(ep_within_node)
+        ep_forward = ep_backward = 2 * (ep_bytes / bandwidth + latency)
+    return ItemCost(
+        name=f"layer {index}{' (MoE)' if moe else ''}",
+        forward=_matmul_time(weight_macs + score_macs, params, model, hardware),
+        backward=_matmul_time(weight_macs + 2 * score_macs, params, model, hardware),
+        weight=_matmul_time(weight_macs, params, model, hardware),
+        activation=activation,
+        parameters=params,
+        ep_forward=ep_forward,
+        ep_backward=ep_backward,
+        ep_bytes=2 * ep_bytes,
+    )
+
+
+def embedding_cost(model: ModelSpec, hardware: Hardware) -> ItemCost:
+    moved = model.tokens * model.hidden * model.element_bytes / hardware.memory_bandwidth
+    return ItemCost("embedding", forward=moved, backward=0.0, weight=moved, activation=0.0,
+                    parameters=model.vocab * model.hidden)  # fmt: skip
+
+
+def head_cost(model: ModelSpec, hardware: Hardware) -> ItemCost:
+    macs = model.tokens * model.hidden * model.vocab
+    params = model.vocab * model.hidden + model.hidden
+    time = _matmul_time(macs, params, model, hardware)
+    logits = model.tokens * model.vocab * 4  # fp32 logits kept for the loss
+    return ItemCost("head", forward=time, backward=time, weight=time,
+                    activation=model.tokens * model.hidden * model.element_bytes + logits, parameters=params)  # fmt: skip
+
+
+def model_items(
+    model: ModelSpec, hardware: Hardware, ep: int = 1, ep_within_node: bool = True
+) -> list[ItemCost]:
+    """The model's cost items in order: embedding, every layer, head."""
+    if model.moe and model.experts % ep:
+        raise ValueError(f"expert parallel size {ep} does not divide the {model.experts} experts")
+    layers = [layer_cost(model, hardware, i, ep, ep_within_node) for i in range(model.layers)]
+    return [embedding_cost(model, hardware), *layers, head_cost(model, hardware)]
+
+
+def w_memory(model: ModelSpec) -> float:
+    """The fraction of a layer's activation its W still needs after its B (see the module)."""
+    T, h, p = model.tokens, model.hidden, model.element_bytes
+    d, kv = h // model.heads, model.kv_heads or model.heads
+    g = 3 if model.gated_mlp else 2
+    active = model.top_k + model.shared_experts if model.moe else 1
+    kept = p * T * (4 * h + 2 * kv * d) + active * p * T * (2 * h + g * model.ffn)
+    total = 7.5 * p * T * h + active * (p * T * h + (g + 1) * p * T * model.ffn)
+    return min(1.0, kept / total)
+
+
+def boundary_bytes(model: ModelSpec) -> float:
+    """Bytes of the activation (or its gradient) crossing one stage boundary per microbatch."""
+    return model.tokens * model.hidden * model.element_bytes
+
+
+def p2p_time(model: ModelSpec, hardware: Hardware, within_node: bool) -> float:
+    bandwidth, latency = hardware.link(within_node)
+    return boundary_bytes(model) / bandwidth + latency
+
+
+def summarize(items: Sequence[ItemCost]) -> dict[str, float]:
+    """Totals over items: times per microbatch, activation and training-state bytes."""
+    return {
+        "forward": sum(i.forward for i in items),
+        "backward": sum(i.backward for i in items),
+        "weight": sum(i.weight for i in items),
+        "activation": sum(i.activation for i in items),
+        "parameters": sum(i.parameters for i in items),
+        "state_bytes": sum(i.state_bytes for i in items),
+    }
