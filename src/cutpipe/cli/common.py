@@ -55,3 +55,39 @@ def fmt(value: float | None, digits: int = 4) -> str:
     if float(value).is_integer():
         return str(int(value))
     return f"{value:.{digits}f}".rstrip("0").rstrip(".")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, gpu_required: bool = True) -> None:
+    """--model, --profile, --gpu, --memory-gb: what is trained on what."""
+    parser.add_argument("--model", metavar="FILE", help="model description (YAML or JSON)")
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="measured costs from `cutpipe profile` instead of the analytic model "
+        "(its model is used when --model is not given)",
+    )
+    parser.add_argument("--gpu", required=gpu_required, metavar="NAME", help="A100, H100 or H200")
+    parser.add_argument(
+        "--memory-gb", type=float, metavar="G", help="memory per device (default: the GPU's)"
+    )
+
+
+def load_model_arguments(args: argparse.Namespace):
+    """(model, hardware, profile or None, memory bytes or None) from ``add_model_arguments``."""
+    from cutpipe.plan.costs import ModelSpec, gpu
+    from cutpipe.plan.profile import Profile
+
+    if not args.model and not args.profile:
+        raise ValueError("give the model: --model FILE.yaml (or --profile FILE.json)")
+    profile = Profile.load(args.profile) if args.profile else None
+    model = ModelSpec.load(args.model) if args.model else profile.model
+    if profile is not None and profile.model != model:
+        raise ValueError(
+            f"{args.profile} was measured for model {profile.model.name!r}, not {model.name!r}: "
+            "profile this model or drop --model"
+        )
+    if args.memory_gb is not None and args.memory_gb <= 0:
+        raise ValueError(f"--memory-gb must be positive, got {args.memory_gb}")
+    hardware = gpu(args.gpu) if args.gpu else None
+    memory = args.memory_gb * 1e9 if args.memory_gb is not None else None
+    return model, hardware, profile, memory

@@ -5,7 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cutpipe.cli import compare, draw, schedule, simulate, train
+from cutpipe.cli import (
+    compare,
+    draw,
+    partition,
+    profile,
+    recommend,
+    schedule,
+    simulate,
+    train,
+    tune,
+)
 from cutpipe.schedule.validate import ScheduleError
 
 
@@ -15,7 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pipeline-parallel schedules: generate, validate, simulate and compare.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (simulate, compare, schedule, draw, train):
+    for module in (
+        simulate, compare, schedule, draw, train, tune, partition, recommend, profile,
+    ):  # fmt: skip
         module.register(commands)
     return parser
 

@@ -32,11 +32,13 @@ Activation memory a layer's forward keeps until its backward, in bytes (Korthika
 - norms and attention: ``7.5*p*T*h``, plus ``2.5*p*a*s*T`` for the attention scores unless
   flash attention recomputes them
 - MLP, per active expert (``k + sh`` of them in an MoE layer, one in a dense one):
-  ``p*T*h + (g+1)*p*T*f`` (its input, the gate and up outputs, and the activation)
+  ``p*T*h + 2*(g-1)*p*T*f``: its input and, gated, the gate and up outputs, the activation and
+  their product (4 of size f), plain, the up output and the activation (2)
 
 What W still needs after B is the inputs of the weight matmuls and the gradients of their
 outputs: attention ``p*T*(4h + 2*kv*d)``, MLP ``p*T*(2h + g*f)`` per active expert; ``w_memory``
-is that over the whole, about 32h of 34h per token as the zero-bubble paper finds.
+is that over the whole: for a plain MLP of size 4h, 32h of 33h per token (the zero-bubble paper
+finds 32h of 34h; the other h is a dropout mask this model does not have).
 
 Parameters: attention ``h*(2h + 2*kv*d)``, MLP ``g*h*f`` per expert (an MoE layer holds ``E + sh``
 experts and a ``h*E`` router; expert parallelism spreads the ``E`` routed experts over ``ep``
@@ -144,13 +146,19 @@ class ModelSpec:
     @classmethod
     def load(cls, path: str | Path) -> ModelSpec:
         """Read a model from a YAML or JSON file."""
-        text = Path(path).read_text()
-        if str(path).endswith((".yaml", ".yml")):
-            import yaml
+        try:
+            text = Path(path).read_text()
+        except OSError as error:
+            raise ValueError(f"cannot read model file {path}: {error.strerror}") from None
+        try:
+            if str(path).endswith((".yaml", ".yml")):
+                import yaml
 
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
+                data = yaml.safe_load(text)
+            else:
+                data = json.loads(text)
+        except Exception as error:  # yaml.YAMLError or json.JSONDecodeError
+            raise ValueError(f"model file {path} does not parse: {error}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of model fields")
         data.setdefault("name", Path(path).stem)
@@ -212,6 +220,7 @@ class ItemCost:
     ep_forward: float = 0.0  # all-to-all seconds inside F
     ep_backward: float = 0.0  # all-to-all seconds inside B
     ep_bytes: float = 0.0  # bytes one of those all-to-alls sends off the rank
+    expert_parameters: float = 0.0  # of ``parameters``, the routed experts' (sharded by EP)
 
     @property
     def state_bytes(self) -> float:
@@ -242,16 +251,17 @@ def layer_cost(
     if moe:
         active = model.top_k + model.shared_experts
         mlp_macs = active * g * T * h * ffn + T * h * model.experts
-        held_experts = model.experts / ep + model.shared_experts
-        mlp_params = held_experts * g * h * ffn + h * model.experts
+        routed = model.experts / ep * g * h * ffn
+        mlp_params = routed + model.shared_experts * g * h * ffn + h * model.experts
     else:
         active = 1
         mlp_macs = g * T * h * ffn
         mlp_params = g * h * ffn
+        routed = 0.0
     weight_macs = T * attention_params + mlp_macs
     score_macs = T * s * h
     params = attention_params + mlp_params + 2 * h
-    activation = 7.5 * p * T * h + active * (p * T * h + (g + 1) * p * T * ffn)
+    activation = 7.5 * p * T * h + active * (p * T * h + 2 * (g - 1) * p * T * ffn)
     if not model.flash_attention:
         activation += 2.5 * p * a * s * T
     ep_forward = ep_backward = ep_bytes = 0.0
@@ -269,6 +279,7 @@ def layer_cost(
         ep_forward=ep_forward,
         ep_backward=ep_backward,
         ep_bytes=2 * ep_bytes,
+        expert_parameters=routed,
     )
 
 
@@ -304,7 +315,7 @@ def w_memory(model: ModelSpec) -> float:
     g = 3 if model.gated_mlp else 2
     active = model.top_k + model.shared_experts if model.moe else 1
     kept = p * T * (4 * h + 2 * kv * d) + active * p * T * (2 * h + g * model.ffn)
-    total = 7.5 * p * T * h + active * (p * T * h + (g + 1) * p * T * model.ffn)
+    total = 7.5 * p * T * h + active * (p * T * h + 2 * (g - 1) * p * T * model.ffn)
     return min(1.0, kept / total)
 
 

@@ -1,0 +1,85 @@
+"""``cutpipe partition``: split a model's layers into a schedule's stages for the shortest step."""
+
+from __future__ import annotations
+
+import argparse
+
+from cutpipe.cli.common import (
+    add_model_arguments,
+    add_shape_arguments,
+    load_model_arguments,
+    print_json,
+)
+from cutpipe.plan.costs import model_items, p2p_time, w_memory
+from cutpipe.plan.partition import balance, evaluate, even_sizes
+from cutpipe.plan.recommend import USABLE_MEMORY
+from cutpipe.schedule.registry import generate
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "partition",
+        help="balance a model's layers over a schedule's stages",
+        description="Split the embedding, the layers and the head into the schedule's stages so "
+        "that the simulated step is shortest and every rank fits in memory; compare with an "
+        "even split of the layers.",
+    )
+    add_shape_arguments(parser)
+    add_model_arguments(parser)
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    model, hardware, profile, memory = load_model_arguments(args)
+    schedule = generate(args.schedule, args.ranks, args.microbatches)
+    within = args.ep <= hardware.gpus_per_node
+    items = (
+        profile.items_for(hardware, args.ep, within)
+        if profile
+        else model_items(model, hardware, args.ep, within)
+    )
+    comm = p2p_time(model, hardware, within_node=args.ranks <= hardware.gpus_per_node)
+    kept = profile.w_memory if profile else w_memory(model)
+    cap = (memory or hardware.memory) * USABLE_MEMORY
+    best = balance(schedule, items, comm, kept, cap)
+    even = evaluate(schedule, items, even_sizes(items, schedule.num_stages), comm, kept)
+    gain = 1 - best.step_time / even.step_time
+    layers = [size - (s == 0) - (s == len(best.sizes) - 1) for s, size in enumerate(best.sizes)]
+    if args.json:
+        print_json(
+            {
+                "schedule": schedule.name,
+                "layers_per_stage": layers,
+                "step_time": best.step_time,
+                "even_step_time": even.step_time,
+                "gain": gain,
+                "memory_per_rank": best.memory,
+                "even_memory_per_rank": even.memory,
+            }
+        )
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{model.name}: {schedule.name} on {args.ranks} x {hardware.name}")
+    for column in ("stage", "rank", "layers", "F+B+W (ms)", "rank memory GB"):
+        table.add_column(column, justify="right")
+    work = [
+        f + b + w
+        for f, b, w in zip(*(best.costs.per_stage(k, len(layers)) for k in "fbw"), strict=True)
+    ]
+    for stage, count in enumerate(layers):
+        rank = schedule.placement.pipes[0][stage]
+        extra = " +embedding" if stage == 0 else " +head" if stage == len(layers) - 1 else ""
+        table.add_row(str(stage), str(rank), f"{count}{extra}", f"{work[stage] * 1e3:.2f}",
+                      f"{best.memory[rank] / 1e9:.1f}")  # fmt: skip
+    console = Console()
+    console.print(table)
+    console.print(
+        f"step {best.step_time * 1e3:.1f} ms balanced vs {even.step_time * 1e3:.1f} ms with layers "
+        f"split evenly: {gain:.1%} faster; fullest rank {max(best.memory) / 1e9:.1f} GB of "
+        f"{cap / 1e9:.1f} GB usable"
+    )
+    return 0

@@ -1,0 +1,59 @@
+"""``cutpipe profile``: measure a model's per-item costs on this machine."""
+
+from __future__ import annotations
+
+import argparse
+
+from cutpipe.cli.common import print_json
+from cutpipe.plan.costs import ModelSpec
+from cutpipe.plan.profile import DTYPES
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "profile",
+        help="measure per-layer F, B, W times and memory on this machine",
+        description="Build one of each kind of item of the model (embedding, dense layer, MoE "
+        "layer, head), time its forward, input-gradient backward and weight-gradient backward, "
+        "weigh its activations, and write a file that recommend and partition accept "
+        "with --profile.",
+    )
+    parser.add_argument("--model", required=True, metavar="FILE", help="model (YAML or JSON)")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE", help="profile to write")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument(
+        "--dtype", choices=tuple(DTYPES), help="default: fp32 on CPU, the model's on GPU"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument("--json", action="store_true", help="also print the profile")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from cutpipe.plan.measure import measure  # imports torch
+
+    model = ModelSpec.load(args.model)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda asked for, but this machine has no usable GPU")
+    profile = measure(model, device, args.dtype, args.repeats, args.warmup)
+    profile.save(args.output)
+    if args.json:
+        print_json(profile.to_dict())
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{model.name} on {profile.device} ({profile.dtype}), per microbatch")
+    for column in ("item", "F ms", "B ms", "W ms", "activation MB", "parameters"):
+        table.add_column(column, justify="left" if column == "item" else "right")
+    for kind, item in profile.items.items():
+        table.add_row(kind, f"{item.forward * 1e3:.2f}", f"{item.backward * 1e3:.2f}",
+                      f"{item.weight * 1e3:.2f}", f"{item.activation / 1e6:.2f}", f"{item.parameters:,.0f}")  # fmt: skip
+    console = Console()
+    console.print(table)
+    console.print(f"W keeps {profile.w_memory:.0%} of a layer's activation; wrote {args.output}")
+    return 0

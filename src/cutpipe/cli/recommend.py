@@ -1,0 +1,71 @@
+"""``cutpipe recommend``: the fastest schedule and parallel layout for a model on a cluster."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+
+from cutpipe.cli.common import add_model_arguments, load_model_arguments, print_json
+from cutpipe.plan.recommend import DEFAULT_SCHEDULES, reason, recommend
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "recommend",
+        help="simulate every layout and schedule that fits and rank them",
+        description="Enumerate pipeline x data x expert parallel layouts of the devices and every "
+        "schedule that fits in memory, simulate each step, and print the fastest few.",
+    )
+    parser.add_argument("--devices", "-n", type=int, required=True, help="number of GPUs")
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--global-batch", type=int, metavar="B", help="sequences per step (default: 8 per device)"
+    )
+    parser.add_argument(
+        "--schedules",
+        default=",".join(DEFAULT_SCHEDULES),
+        help="comma-separated schedules to consider (default: %(default)s)",
+    )
+    parser.add_argument("--top", type=int, default=8, help="how many plans to print")
+    parser.add_argument("--json", action="store_true", help="print the plans as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    model, hardware, profile, memory = load_model_arguments(args)
+    if args.global_batch is not None and args.global_batch < 1:
+        raise ValueError(f"--global-batch must be >= 1, got {args.global_batch}")
+    schedules = [name.strip() for name in args.schedules.split(",") if name.strip()]
+    plans = recommend(model, hardware, args.devices, args.global_batch, memory, schedules, profile)
+    shown = plans[: max(1, args.top)]
+    if args.json:
+        print_json({"plans": [asdict(plan) for plan in shown], "reason": reason(plans, hardware)})
+        return 0
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        title=f"{model.name} on {args.devices} x {hardware.name}"
+        + (" (measured costs)" if profile else ""),
+    )
+    for column in ("layout", "schedule", "m", "tok/s", "step s", "bubble", "GB", "comm"):
+        left = column in ("layout", "schedule")
+        table.add_column(column, justify="left" if left else "right", no_wrap=True)
+    for plan in shown:
+        table.add_row(
+            plan.layout(),
+            plan.schedule_label(),
+            str(plan.microbatches),
+            f"{plan.tokens_per_second:,.0f}",
+            f"{plan.step_time:.3f}",
+            f"{plan.bubble:.1%}",
+            f"{plan.peak_memory / 1e9:.1f}",
+            f"{plan.comm_share:.0%}",
+        )
+    console = Console()
+    console.print(table)
+    console.print(reason(plans, hardware))
+    return 0

@@ -1,0 +1,76 @@
+"""``cutpipe tune``: a cost-aware zero-bubble schedule for given costs and memory cap."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from cutpipe.cli.common import add_costs_argument, fmt, print_json
+from cutpipe.plan.scheduler import FIXED, cost_aware, default_cap
+from cutpipe.schedule.registry import schedule_info
+from cutpipe.sim.metrics import metrics
+from cutpipe.sim.simulate import simulate
+
+OBJECTIVES = {
+    "makespan": lambda result: (result.makespan, result.bubble_ratio_span),
+    "span": lambda result: (result.bubble_ratio_span, result.makespan),
+}
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "tune",
+        help="search a cost-aware schedule under a memory cap",
+        description="Place F, B and W passes (and, on a V, the order of chunks) by simulated time "
+        "for the given costs, under a per-rank activation cap, and compare with the fixed orders.",
+    )
+    parser.add_argument("--placement", choices=("linear", "v"), default="v")
+    parser.add_argument("--ranks", "-r", type=int, required=True, help="pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=int, required=True)
+    add_costs_argument(parser, "", "stage (a V stage is half a rank's layers)")
+    parser.add_argument(
+        "--memory-cap",
+        type=float,
+        metavar="A",
+        help="activations a rank may hold, in units of one stage's (default: 1F1B's peak, "
+        "R units on a linear placement and 2R on a V)",
+    )
+    parser.add_argument("--objective", choices=tuple(OBJECTIVES), default="makespan",
+                        help="what to minimise: the step (makespan) or the span bubble")  # fmt: skip
+    parser.add_argument("--seconds", type=float, default=1.0, help="local-search budget")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the schedule as JSON")
+    parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    costs, R, m = args.costs, args.ranks, args.microbatches
+    if R < 1 or m < 1:
+        raise ValueError(f"--ranks and --microbatches must be >= 1, got {R} and {m}")
+    tuned = cost_aware(args.placement, R, m, costs, args.memory_cap, OBJECTIVES[args.objective],
+                       args.seconds)  # fmt: skip
+    rows = [(tuned.name, metrics(simulate(tuned, costs), costs))]
+    for name in FIXED[args.placement]:
+        info = schedule_info(name)
+        if info.accepts(R, m):
+            fixed = info.generate(R, m)
+            rows.append((name, metrics(simulate(fixed, costs), costs)))
+    if args.output:
+        Path(args.output).write_text(json.dumps(tuned.to_dict()) + "\n")
+    if args.json:
+        print_json({name: result.to_dict() for name, result in rows})
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    cap = args.memory_cap if args.memory_cap is not None else default_cap(args.placement, R, costs)
+    table = Table(title=f"{args.placement} placement, R={R}, m={m}, activation cap {fmt(cap)}")
+    for column in ("schedule", "makespan", "bubble (abs)", "bubble (span)", "peak activations"):
+        table.add_column(column, justify="left" if column == "schedule" else "right")
+    for name, result in rows:
+        table.add_row(name, fmt(result.makespan), fmt(result.bubble_ratio), fmt(result.bubble_ratio_span),
+                      fmt(max(result.peak_activations_per_rank))
+                      + ("" if max(result.peak_activations_per_rank) <= cap + 1e-9 else " (over)"))  # fmt: skip
+    Console().print(table)
+    return 0

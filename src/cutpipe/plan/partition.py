@@ -1,0 +1,209 @@
+"""Balanced stages: split a model's cost items into a placement's stages for the shortest step.
+
+The items are the embedding, every layer and the head (``cutpipe.plan.costs.model_items``). A
+partition gives each stage a run of consecutive items, at least one. The balancer starts from
+the split that evens out each stage's compute, then moves one item at a time across a stage
+boundary while the simulated step gets shorter and every rank's memory stays under the cap. On a
+V, rank 0 holds both the first and the last stage, so it ends up with fewer layers when the
+embedding and the head make those stages heavy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
+
+from cutpipe.plan.costs import ItemCost
+from cutpipe.plan.progress import progress
+from cutpipe.schedule.schedule import Schedule
+from cutpipe.sim.costs import Costs
+from cutpipe.sim.memory import peak_activations
+from cutpipe.sim.metrics import metrics
+from cutpipe.sim.simulate import simulate
+
+
+def groups(items: Sequence[ItemCost], sizes: Sequence[int]) -> list[list[ItemCost]]:
+    if len(items) != sum(sizes) or min(sizes) < 1:
+        raise ValueError(
+            f"stage sizes {list(sizes)} must be >= 1 each and cover all {len(items)} items"
+        )
+    out, start = [], 0
+    for size in sizes:
+        out.append(list(items[start : start + size]))
+        start += size
+    return out
+
+
+def stage_costs(
+    items: Sequence[ItemCost], sizes: Sequence[int], comm: float, w_memory: float,
+    p2p_bytes: float = 1.0, fb: float | None = None,
+) -> Costs:  # fmt: skip
+    """The simulator's per-stage costs: each stage sums its items' times, memory and traffic."""
+    parts = groups(items, sizes)
+
+    def total(field: str) -> list[float]:
+        return [sum(getattr(item, field) for item in part) for part in parts]
+
+    return Costs(
+        f=total("forward"), b=total("backward"), w=total("weight"), fb=fb, comm=comm,
+        ep_f=total("ep_forward"), ep_b=total("ep_backward"), activation=total("activation"),
+        w_memory=w_memory, params=total("parameters"), p2p_bytes=p2p_bytes,
+        ep_bytes=max(total("ep_bytes")),
+    )  # fmt: skip
+
+
+def even_sizes(items: Sequence[ItemCost], stages: int) -> list[int]:
+    """Layers spread evenly (earlier stages take the rest), embedding first, head last."""
+    layers = len(items) - 2
+    if layers < stages:
+        raise ValueError(f"{layers} layers cannot fill {stages} stages: use fewer stages")
+    base, extra = divmod(layers, stages)
+    sizes = [base + (s < extra) for s in range(stages)]
+    sizes[0] += 1
+    sizes[-1] += 1
+    return sizes
+
+
+def compute_balanced_sizes(items: Sequence[ItemCost], stages: int) -> list[int]:
+    """Consecutive groups of near-equal F+B+W: stage k ends where the running total of work
+    comes closest to k/stages of the whole (each stage keeps at least one item)."""
+    work = [item.forward + item.backward + item.weight for item in items]
+    if len(work) < stages:
+        raise ValueError(f"{len(work) - 2} layers cannot fill {stages} stages: use fewer stages")
+    prefix = list(accumulate(work))
+    total, cuts, previous = prefix[-1], [], 0
+    for k in range(1, stages):
+        target = k * total / stages
+        low, high = previous + 1, len(work) - (stages - k)  # items in stages 0..k-1
+        cut = min(range(low, high + 1), key=lambda n: abs(prefix[n - 1] - target))
+        cuts.append(cut)
+        previous = cut
+    bounds = [0, *cuts, len(work)]
+    return [b - a for a, b in pairwise(bounds)]
+
+
+def rank_balanced_sizes(
+    items: Sequence[ItemCost], schedule: Schedule, capacity: float | None = None,
+    comm: float = 0.0, w_memory: float = 0.5,
+) -> list[int]:  # fmt: skip
+    """``compute_balanced_sizes``, then items moved between stages while the busiest rank's
+    work shrinks: on a V a rank runs stages r and 2R-1-r, so equal stages are not equal ranks.
+    With ``capacity`` (bytes), first of all while the fullest rank's memory shrinks towards it.
+    Arithmetic and op-order memory only, no timing, so ``recommend`` can afford it for every
+    candidate (give it a short ``schedule``: the memory peak does not grow with the step)."""
+    placement = schedule.placement
+    stages = placement.num_stages
+    work = [item.forward + item.backward + item.weight for item in items]
+
+    def score(sizes: list[int]) -> tuple[float, float, float]:
+        per_stage = [sum(work[a:b]) for a, b in pairwise([0, *accumulate(sizes)])]
+        ranks = [0.0] * placement.num_ranks
+        for pipe in placement.pipes:
+            for stage, rank in enumerate(pipe):
+                ranks[rank] += per_stage[stage]
+        over = 0.0
+        if capacity is not None:
+            costs = stage_costs(items, sizes, comm, w_memory)
+            state = [sum(i.state_bytes for i in part) for part in groups(items, sizes)]
+            over = max(0.0, max(rank_memory(schedule, costs, state)) - capacity)
+        return over, max(ranks), sum(x * x for x in ranks)
+
+    sizes = compute_balanced_sizes(items, stages)
+    best = score(sizes)
+    improved = True
+    while improved:
+        improved = False
+        for giver in range(stages):
+            for taker in range(stages):
+                if giver == taker or sizes[giver] == 1:
+                    continue
+                trial = list(sizes)
+                trial[giver] -= 1
+                trial[taker] += 1
+                value = score(trial)
+                if value < best:
+                    sizes, best, improved = trial, value, True
+    return sizes
+
+
+def rank_memory(schedule: Schedule, costs: Costs, state_bytes: Sequence[float]) -> list[float]:
+    """Per rank: training state of the stages it stores (copies count) plus peak activations."""
+    activations = peak_activations(schedule, costs)
+    return [
+        sum(state_bytes[s] for s in schedule.placement.stages_of(r)) + activations[r]
+        for r in range(schedule.num_ranks)
+    ]
+
+
+@dataclass(frozen=True)
+class Partition:
+    sizes: list[int]
+    costs: Costs
+    step_time: float
+    memory: list[float]  # bytes per rank
+
+
+def evaluate(
+    schedule: Schedule,
+    items: Sequence[ItemCost],
+    sizes: Sequence[int],
+    comm: float,
+    w_memory: float,
+) -> Partition:
+    costs = stage_costs(items, sizes, comm, w_memory)
+    state = [sum(i.state_bytes for i in part) for part in groups(items, sizes)]
+    step = metrics(simulate(schedule, costs), costs).makespan
+    return Partition(list(sizes), costs, step, rank_memory(schedule, costs, state))
+
+
+def balance(
+    schedule: Schedule,
+    items: Sequence[ItemCost],
+    comm: float,
+    w_memory: float,
+    memory_cap: float | None = None,
+    max_rounds: int = 200,
+) -> Partition:
+    """The partition with the shortest simulated step whose every rank fits ``memory_cap``."""
+    stages = schedule.num_stages
+    cap = float("inf") if memory_cap is None else memory_cap
+
+    def fits(partition: Partition) -> bool:
+        return max(partition.memory) <= cap
+
+    starts = [evaluate(schedule, items, even_sizes(items, stages), comm, w_memory),
+              evaluate(schedule, items, compute_balanced_sizes(items, stages), comm, w_memory)]  # fmt: skip
+    feasible = [p for p in starts if fits(p)]
+    best = min(
+        feasible or starts,
+        key=lambda p: (not fits(p), max(p.memory) if not fits(p) else p.step_time),
+    )
+    with progress("balancing stages") as tick:
+        for _ in range(max_rounds):
+            candidates = []
+            for giver in range(stages):  # one stage gives an item's place to another
+                for taker in range(stages):
+                    sizes = list(best.sizes)
+                    sizes[giver] -= 1
+                    sizes[taker] += 1
+                    if giver != taker and sizes[giver] >= 1:
+                        candidates.append(evaluate(schedule, items, sizes, comm, w_memory))
+            tick(status=f"step {best.step_time:.4g}")
+            improving = [
+                c for c in candidates
+                if (fits(c) and (not fits(best) or c.step_time < best.step_time - 1e-12))
+                or (not fits(best) and max(c.memory) < max(best.memory))
+            ]  # fmt: skip
+            if not improving:
+                break
+            best = min(
+                improving, key=lambda p: (not fits(p), p.step_time if fits(p) else max(p.memory))
+            )
+    if not fits(best):
+        raise ValueError(
+            f"no partition of {len(items) - 2} layers into {stages} stages fits {cap / 1e9:.1f} GB per "
+            f"device: the best needs {max(best.memory) / 1e9:.1f} GB ({(max(best.memory) - cap) / 1e9:.1f} GB "
+            "over); use more devices, smaller microbatches or a schedule with a lower activation peak"
+        )
+    return best

@@ -1,0 +1,257 @@
+"""Which schedule and parallel layout to use: every fitting choice simulated, the best few ranked.
+
+For ``devices`` GPUs it tries every factoring into pipeline x data parallel ranks (PP x DP),
+with expert parallelism inside the data-parallel group for an MoE (EP divides both DP and the
+experts), every schedule that accepts the pipeline shape, and the microbatch count the global
+batch gives. Each candidate's stages are balanced by compute (embedding and head included), its
+memory checked, and its step simulated:
+
+- step time = the simulated pipeline step (its ops include any exposed expert all-to-all)
+  + ring all-reduces of the gradients, ``2*(n-1)/n * bytes / bandwidth`` for a group of ``n``:
+  dense parameters over the DP ranks, routed experts over the DP/EP ranks that share them
+- memory per device = training state of the stages it stores (16 bytes per parameter; DualPipe
+  stores two stages) + its simulated peak activations, at most 90% of the GPU's memory
+- communication share = (pipeline transfers on the most loaded rank + exposed expert
+  all-to-alls + the gradient all-reduce) / step time
+
+Pipeline neighbours use NVLink when all devices fit in one node and the network otherwise;
+expert all-to-alls use NVLink when the EP group fits in one node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cutpipe.plan.costs import Hardware, ItemCost, ModelSpec, model_items, p2p_time, w_memory
+from cutpipe.plan.partition import groups, rank_balanced_sizes, rank_memory, stage_costs
+from cutpipe.plan.profile import Profile
+from cutpipe.plan.progress import progress
+from cutpipe.schedule.registry import SCHEDULES, schedule_info
+from cutpipe.sim.metrics import metrics
+from cutpipe.sim.simulate import simulate
+
+USABLE_MEMORY = 0.9  # of a GPU's memory, the rest for the framework and fragmentation
+NEAR_MISS = 1.25  # a compute-balanced split this far over the memory gets a memory-aware one
+DEFAULT_SCHEDULES = ("1f1b", "zbh1", "zbh2", "interleaved", "zbv", "dualpipe", "dualpipev")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One simulated way to train the model on the devices."""
+
+    pp: int
+    dp: int
+    ep: int
+    schedule: str
+    microbatches: int
+    step_time: float  # seconds
+    tokens_per_second: float
+    bubble: float  # the pipeline's bubble ratio (absolute measure)
+    peak_memory: float  # bytes on the fullest device
+    comm_share: float
+    stage_sizes: list[int]
+
+    def layout(self) -> str:
+        return f"PP={self.pp} DP={self.dp}" + (f" EP={self.ep}" if self.ep > 1 else "")
+
+    def schedule_label(self) -> str:
+        """Short: the registry name, or what a single rank does."""
+        if self.pp > 1:
+            return self.schedule
+        return "none+overlap" if self.schedule in OVERLAPPING else "none"
+
+    def schedule_title(self) -> str:
+        if self.pp > 1:
+            return SCHEDULES[self.schedule].title
+        if self.schedule in OVERLAPPING:
+            return "no pipeline, F&B overlap"
+        return "no pipeline"
+
+
+#: On one rank (PP = 1) every schedule is plain data parallelism, except that DualPipeV's order
+#: overlaps one microbatch's forward with another's backward, hiding expert all-to-alls.
+SINGLE_RANK = ("1f1b", "dualpipev")
+OVERLAPPING = ("dualpipev",)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _items(
+    model: ModelSpec, hardware: Hardware, ep: int, profile: Profile | None
+) -> list[ItemCost]:
+    within = ep <= hardware.gpus_per_node
+    if profile is None:
+        return model_items(model, hardware, ep, ep_within_node=within)
+    return profile.items_for(hardware, ep, ep_within_node=within)
+
+
+def evaluate(
+    model: ModelSpec, hardware: Hardware, devices: int, pp: int, ep: int, name: str, microbatches: int,
+    capacity: float, profile: Profile | None = None,
+) -> Plan | None:  # fmt: skip
+    """Simulate one candidate; None if it does not fit in memory."""
+    dp = devices // pp
+    schedule = schedule_info(name).generate(pp, microbatches)
+    items = _items(model, hardware, ep, profile)
+    if len(items) - 2 < schedule.num_stages:
+        return None
+    sizes = rank_balanced_sizes(items, schedule)
+    comm = p2p_time(model, hardware, within_node=devices <= hardware.gpus_per_node)
+    kept = profile.w_memory if profile else w_memory(model)
+    costs = stage_costs(items, sizes, comm, kept)
+    state = [sum(i.state_bytes for i in part) for part in groups(items, sizes)]
+    memory = rank_memory(schedule, costs, state)
+    if max(memory) > capacity:
+        if max(memory) > NEAR_MISS * capacity:
+            return None
+        # move layers off the fullest ranks; on a short step (4 microbatches per rank),
+        # which peaks as high as a long one but is quicker to weigh
+        info = schedule_info(name)
+        short = info.generate(pp, min(microbatches, max(4 * pp, info.min_microbatches(pp))))
+        sizes = rank_balanced_sizes(items, short, capacity, comm, kept)
+        costs = stage_costs(items, sizes, comm, kept)
+        state = [sum(i.state_bytes for i in part) for part in groups(items, sizes)]
+        memory = rank_memory(schedule, costs, state)
+        if max(memory) > capacity:
+            return None
+    result = metrics(simulate(schedule, costs), costs)
+    replicated = max(sum(i.parameters for i in part) for part in groups(items, sizes))
+    bandwidth, latency = hardware.link(within_node=devices <= hardware.gpus_per_node)
+    allreduce = (
+        0.0 if dp == 1 else 2 * (dp - 1) / dp * replicated * 2 / bandwidth + 2 * (dp - 1) * latency
+    )
+    step = result.makespan + allreduce
+    busiest = max(range(pp), key=lambda r: result.busy_per_rank[r])
+    sends = result.p2p_sends / pp
+    exposed_ep = (
+        sum(
+            costs.per_stage("ep_f", schedule.num_stages)[s]
+            + costs.per_stage("ep_b", schedule.num_stages)[s]
+            for s in schedule.placement.stages_of(busiest)
+        )
+        * microbatches
+        * (1 - result.ep_alltoalls_overlapped / max(1, result.ep_alltoalls))
+    )
+    comm_time = sends * (comm - latency) + exposed_ep + allreduce
+    tokens = model.tokens * microbatches * dp
+    bubble = max(0.0, result.bubble_ratio)  # not -1e-15
+    return Plan(pp, dp, ep, name, microbatches, step, tokens / step, bubble, max(memory),
+                min(1.0, comm_time / step), sizes)  # fmt: skip
+
+
+def recommend(
+    model: ModelSpec,
+    hardware: Hardware,
+    devices: int,
+    global_batch: int | None = None,
+    memory: float | None = None,
+    schedules: Sequence[str] = DEFAULT_SCHEDULES,
+    profile: Profile | None = None,
+) -> list[Plan]:
+    """Every fitting plan, fastest first. ``global_batch`` counts sequences (default 8 per
+    device); ``memory`` is bytes per device (default the GPU's); ``profile``: measured costs
+    (``cutpipe profile``) instead of the analytic model."""
+    if devices < 1:
+        raise ValueError(f"devices must be >= 1, got {devices}")
+    batch = global_batch or 8 * devices
+    capacity = (memory or hardware.memory) * USABLE_MEMORY
+    for name in schedules:
+        schedule_info(name)
+    layouts = []
+    for pp in divisors(devices):
+        dp = devices // pp
+        if pp > model.layers:
+            continue
+        sequences = batch // dp if batch % dp == 0 else 0
+        if sequences == 0 or sequences % model.microbatch_size:
+            continue
+        m = sequences // model.microbatch_size
+        eps = (
+            [e for e in divisors(dp) if not model.moe or (model.experts % e == 0)]
+            if model.moe
+            else [1]
+        )
+        names = schedules if pp > 1 else [n for n in SINGLE_RANK if n in schedules] or schedules[:1]
+        for ep in eps:
+            for name in names:
+                if SCHEDULES[name].accepts(pp, m):
+                    layouts.append((pp, ep, name, m))
+    if not layouts:
+        raise ValueError(
+            f"no layout of {devices} devices splits a global batch of {batch} sequences into whole "
+            f"microbatches of {model.microbatch_size}: pick a global batch divisible by the data-parallel sizes"
+        )
+    plans = []
+    with progress("simulating layouts", total=len(layouts)) as tick:
+        for pp, ep, name, m in layouts:
+            plan = evaluate(model, hardware, devices, pp, ep, name, m, capacity, profile)
+            if plan is not None:
+                plans.append(plan)
+            tick(status=f"{len(plans)} fit")
+    if not plans:
+        smallest = _smallest_need(model, hardware, devices, profile)
+        raise ValueError(
+            f"{model.name} does not fit on {devices} x {hardware.name} even at the largest pipeline: "
+            f"its training state alone needs {smallest / 1e9:.1f} GB per device against "
+            f"{capacity / 1e9:.1f} GB usable ({(smallest - capacity) / 1e9:.1f} GB over); use more "
+            "devices, GPUs with more memory, or expert parallelism"
+        )
+    return sorted(plans, key=lambda p: -p.tokens_per_second)
+
+
+def _smallest_need(
+    model: ModelSpec, hardware: Hardware, devices: int, profile: Profile | None
+) -> float:
+    """Training-state bytes per device at the deepest pipeline and widest expert parallelism."""
+    pp = max(d for d in divisors(devices) if d <= model.layers)
+    ep = max(
+        (e for e in divisors(devices // pp) if not model.moe or model.experts % e == 0), default=1
+    )
+    items = _items(model, hardware, ep if model.moe else 1, profile)
+    return sum(i.state_bytes for i in items) / pp
+
+
+def reason(plans: Sequence[Plan], hardware: Hardware) -> str:
+    """A paragraph on why the fastest plan wins, from the numbers of the others."""
+    best = plans[0]
+    text = (
+        f"{best.schedule_title()} on {best.layout()} with {best.microbatches} microbatches per "
+        f"pipeline is fastest: {best.tokens_per_second:,.0f} tokens/s, a step of {best.step_time:.2f} s "
+        f"with a {best.bubble:.1%} bubble and {best.comm_share:.0%} of it in communication, "
+        f"{best.peak_memory / 1e9:.1f} GB on the fullest {hardware.name}."
+    )
+    same_layout = [p for p in plans[1:] if (p.pp, p.dp, p.ep) == (best.pp, best.dp, best.ep)]
+    if same_layout:
+        other = same_layout[0]
+        text += (
+            f" On the same layout the next schedule, {other.schedule_title()}, is "
+            f"{1 - other.tokens_per_second / best.tokens_per_second:.1%} slower (bubble {other.bubble:.1%}, "
+            f"{other.peak_memory / 1e9:.1f} GB)."
+        )
+    other_layout = next(
+        (p for p in plans[1:] if (p.pp, p.dp, p.ep) != (best.pp, best.dp, best.ep)), None
+    )
+    if other_layout is not None:
+        text += (
+            f" The best other layout, {other_layout.layout()} with {other_layout.schedule_title()}, "
+            f"is {1 - other_layout.tokens_per_second / best.tokens_per_second:.1%} slower."
+        )
+    pairs = [
+        (cut, dual)
+        for cut in plans
+        for dual in plans
+        if cut.schedule == "dualpipev" and dual.schedule == "dualpipe" and cut.pp > 1
+        and (cut.pp, cut.ep) == (dual.pp, dual.ep)
+    ]  # fmt: skip
+    if pairs:
+        cut, dual = pairs[0]
+        change = cut.tokens_per_second / dual.tokens_per_second - 1
+        text += (
+            f" At PP={cut.pp}, Cut-in-half needs {cut.peak_memory / 1e9:.1f} GB where DualPipe "
+            f"needs {dual.peak_memory / 1e9:.1f} GB (it stores every stage twice) and is "
+            f"{abs(change):.1%} {'faster' if change >= 0 else 'slower'}."
+        )
+    return text

@@ -1,0 +1,444 @@
+"""Cost-aware zero-bubble schedules: place every F, B and W by simulated time, under a memory cap.
+
+The fixed orders of ZB-H1, ZB-H2 and ZB-V are zero-bubble only when F = B = W. Given the real
+costs (per stage, with communication), ``cost_aware`` builds each rank's order by list scheduling:
+ranks advance in simulated time; a free rank runs a B whose gradient has arrived (B is on the
+critical path), else an F whose input has arrived if its activation fits under the memory cap,
+else a deferred W (which fills what would be a bubble), else it waits for the next arrival.
+
+A few policies are tried (which chunk's F and B go first on a V, whether a W may start when a B
+is due during it) and every candidate, together with the fixed orders that respect the cap, is
+timed by the simulator; the fastest wins. So the result is never slower than the fixed orders.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cutpipe.plan.progress import progress
+from cutpipe.schedule.codes import Codec
+from cutpipe.schedule.placement import Placement
+from cutpipe.schedule.registry import schedule_info
+from cutpipe.schedule.schedule import Schedule
+from cutpipe.sim.costs import Costs
+from cutpipe.sim.memory import peak_activations
+from cutpipe.sim.metrics import metrics
+from cutpipe.sim.simulate import simulate
+
+F_KIND, B_KIND, W_KIND = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How the list scheduler breaks ties."""
+
+    later_chunk_first: bool  # on a V: prefer the chunk nearer the loss (stage 2R-1-r)
+    lookahead: bool  # do not start work if more urgent work arrives before it would end
+    w_before_f: bool  # run pending W before a ready F (keeps memory low, as ZB-V's steady state)
+
+
+POLICIES = tuple(
+    Policy(a, b, c) for a in (True, False) for b in (True, False) for c in (False, True)
+)
+
+
+def _placement(kind: str, ranks: int) -> Placement:
+    if kind == "linear":
+        return Placement.linear(ranks)
+    if kind == "v":
+        return Placement.vshape(ranks)
+    raise ValueError(f"cost-aware schedules place stages 'linear' or 'v', got {kind!r}")
+
+
+def list_schedule(
+    placement: Placement, m: int, costs: Costs, cap: float, policy: Policy
+) -> Schedule:
+    """One order per rank from greedy list scheduling under ``policy``."""
+    R, S = placement.num_ranks, placement.num_stages
+    owner = placement.pipes[0]
+    codec = Codec(S, m)
+    f, b, w = (costs.per_stage(n, S) for n in ("f", "b", "w"))
+    ep_f, ep_b = costs.per_stage("ep_f", S), costs.per_stage("ep_b", S)
+    activation = costs.per_stage("activation", S)
+    kept = costs.w_memory
+    comm = costs.comm
+    chunks = [sorted(placement.stages_of(r), reverse=policy.later_chunk_first) for r in range(R)]
+    next_f = [0] * S  # per stage: next microbatch to forward
+    f_done = [[False] * m for _ in range(S)]
+    b_done = [[False] * m for _ in range(S)]
+    inbound_f = [[None] * m for _ in range(S)]  # when F's input arrives at the stage
+    inbound_g = [[None] * m for _ in range(S)]  # when B's gradient arrives at the stage
+    for i in range(m):
+        inbound_f[0][i] = 0.0
+    ready_b: list[list[tuple[float, int, int]]] = [
+        [] for _ in range(R)
+    ]  # heaps of (arrival, stage, mb)
+    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(R)]
+    clock = [0.0] * R
+    memory = [0.0] * R
+    orders: list[list[int]] = [[] for _ in range(R)]
+    remaining = [3 * m * len(chunks[r]) for r in range(R)]
+    waiting: set[int] = set()
+    events = [(0.0, r) for r in range(R)]
+
+    in_flight = [0] * S  # per stage: forwards whose backward has not run yet
+
+    def fits(rank: int, stage: int) -> bool:
+        """An F fits if, after it, a later chunk with nothing in flight can still start: a V
+        rank whose memory is all first-chunk activations could never reach the loss. (A later
+        chunk with something in flight will free memory when its backward arrives.)"""
+        reserve = sum(
+            activation[s] for s in chunks[rank] if s > stage and next_f[s] < m and not in_flight[s]
+        )
+        return memory[rank] + activation[stage] + reserve <= cap + 1e-9
+
+    def urgent_arrival(rank: int, now: float, below: int) -> float | None:
+        """When the next work more urgent than priority ``below`` becomes ready (B: 0, F of
+        the chunks in preference order: 1, 2, ...), if it is already known."""
+        times = [ready_b[rank][0][0]] if ready_b[rank] else []
+        for priority, stage in enumerate(chunks[rank], start=1):
+            if priority >= below:
+                break
+            mb = next_f[stage]
+            if mb < m and inbound_f[stage][mb] is not None and fits(rank, stage):
+                times.append(inbound_f[stage][mb])
+        later = [t for t in times if t > now]
+        return min(later) if later else None
+
+    def decide(rank: int, now: float) -> tuple[int, int, int] | None:
+        """The op ``rank`` starts at ``now``, or None to wait."""
+        if ready_b[rank] and ready_b[rank][0][0] <= now:
+            _, stage, mb = heapq.heappop(ready_b[rank])
+            return (B_KIND, stage, mb)
+        if policy.w_before_f and pending_w[rank]:
+            stage, mb = pending_w[rank].popleft()
+            return (W_KIND, stage, mb)
+        for priority, stage in enumerate(chunks[rank], start=1):
+            mb = next_f[stage]
+            if (
+                mb < m
+                and inbound_f[stage][mb] is not None
+                and inbound_f[stage][mb] <= now
+                and fits(rank, stage)
+            ):
+                due = urgent_arrival(rank, now, priority) if policy.lookahead else None
+                if due is None or due >= now + f[stage] + ep_f[stage]:
+                    return (F_KIND, stage, mb)
+        if pending_w[rank]:
+            stage, mb = pending_w[rank][0]
+            due = urgent_arrival(rank, now, len(chunks[rank]) + 1) if policy.lookahead else None
+            if due is None or due >= now + w[stage] or not arrivals(rank, now):
+                pending_w[rank].popleft()
+                return (W_KIND, stage, mb)
+        return None
+
+    def arrivals(rank: int, now: float) -> list[float]:
+        """Known future times at which something becomes ready on ``rank``."""
+        times = [ready_b[rank][0][0]] if ready_b[rank] else []
+        for stage in chunks[rank]:
+            mb = next_f[stage]
+            if mb < m and inbound_f[stage][mb] is not None and fits(rank, stage):
+                times.append(inbound_f[stage][mb])
+        return [t for t in times if t > now]
+
+    def deliver(stage: int, microbatch: int, at: float, gradient: bool, source: int) -> None:
+        rank = owner[stage]
+        arrival = at + (comm if rank != source else 0.0)
+        if gradient:
+            inbound_g[stage][microbatch] = arrival
+            if f_done[stage][microbatch]:
+                heapq.heappush(ready_b[rank], (arrival, stage, microbatch))
+        else:
+            inbound_f[stage][microbatch] = arrival
+        if rank in waiting:
+            waiting.discard(rank)
+            heapq.heappush(events, (max(arrival, clock[rank]), rank))
+
+    while events:
+        now, r = heapq.heappop(events)
+        if remaining[r] == 0 or now < clock[r]:
+            continue
+        now = clock[r] = max(now, clock[r])
+        choice = decide(r, now)
+        if choice is None:
+            upcoming = arrivals(r, now)
+            if upcoming:
+                heapq.heappush(events, (min(upcoming), r))
+            else:
+                waiting.add(r)
+            continue
+        kind, stage, mb = choice
+        orders[r].append(codec.action(kind, stage, mb))
+        remaining[r] -= 1
+        if kind == F_KIND:
+            end = now + f[stage] + ep_f[stage]
+            memory[r] += activation[stage]
+            in_flight[stage] += 1
+            next_f[stage] += 1
+            f_done[stage][mb] = True
+            if stage + 1 < S:
+                deliver(stage + 1, mb, end, gradient=False, source=r)
+            else:
+                deliver(stage, mb, end, gradient=True, source=r)  # the loss: its own gradient
+            if stage < S - 1 and inbound_g[stage][mb] is not None:
+                heapq.heappush(ready_b[r], (inbound_g[stage][mb], stage, mb))
+        elif kind == B_KIND:
+            end = now + b[stage] + ep_b[stage]
+            memory[r] -= (1 - kept) * activation[stage]
+            in_flight[stage] -= 1
+            b_done[stage][mb] = True
+            pending_w[r].append((stage, mb))
+            if stage > 0:
+                deliver(stage - 1, mb, end, gradient=True, source=r)
+        else:
+            end = now + w[stage]
+            memory[r] -= kept * activation[stage]
+        clock[r] = end
+        if remaining[r]:
+            heapq.heappush(events, (end, r))
+    if any(remaining):
+        stuck = [r for r in range(R) if remaining[r]]
+        raise ValueError(
+            f"no schedule fits the activation memory cap {cap:g} on ranks {stuck}: raise the cap "
+            "(a rank must hold at least one activation of each stage it runs)"
+        )
+    name = "cost-aware" if placement.kind == "linear" else "cost-aware-v"
+    return Schedule(name, placement, m, tuple(tuple(o) for o in orders))
+
+
+def fill_weights(base: Schedule, costs: Costs, cap: float, patient: bool) -> Schedule:
+    """Keep ``base``'s order of forwards and backwards, and place its W passes by time.
+
+    A rank whose next F or B must wait for its input runs pending W passes in the gap; with
+    ``patient``, only those that end before the input arrives (if the arrival is known), so
+    that no W delays the critical path. A W also runs first when the next F would break the
+    memory cap. Whatever is left runs at the end, oldest first.
+    """
+    placement, m = base.placement, base.num_microbatches
+    R, S = placement.num_ranks, placement.num_stages
+    codec = base.codec
+    w = costs.per_stage("w", S)
+    activation = costs.per_stage("activation", S)
+    kept, comm = costs.w_memory, costs.comm
+    owner = placement.pipes[0]
+    timing = costs.timing(base)
+    main = [[c for c in ops if c < 0 or c & 3 != W_KIND] for ops in base.codes]
+    produced: dict[tuple[str, int, int], float] = {}
+    pointer = [0] * R
+    clock = [0.0] * R
+    memory = [0.0] * R
+    pending: list[deque[tuple[int, int]]] = [deque() for _ in range(R)]
+    orders: list[list[int]] = [[] for _ in range(R)]
+    waiting: dict[tuple[str, int, int], list[int]] = {}
+    events = [(0.0, r) for r in range(R)]
+
+    def inputs(code: int) -> list[tuple[str, int, int]]:
+        halves = codec.split_pair(code) if code < 0 else (code,)
+        need = []
+        for half in halves:
+            slot, kind = half >> 2, half & 3
+            mb, stage = divmod(slot, S)
+            if kind == F_KIND and stage > 0:
+                need.append(("F", stage - 1, mb))
+            elif kind in (B_KIND, 3) and stage < S - 1:
+                need.append(("G", stage + 1, mb))
+        return need
+
+    def arrival(key: tuple[str, int, int], rank: int) -> float | None:
+        if key not in produced:
+            return None
+        _, stage, _ = key
+        return produced[key] + (comm if owner[stage] != rank else 0.0)
+
+    def allocation(code: int) -> float:
+        halves = codec.split_pair(code) if code < 0 else (code,)
+        return sum(activation[(h >> 2) % S] for h in halves if h & 3 == F_KIND)
+
+    def run_weight(r: int, now: float) -> float:
+        stage, mb = pending[r].popleft()
+        orders[r].append(codec.action(W_KIND, stage, mb))
+        memory[r] -= kept * activation[stage]
+        return now + w[stage]
+
+    while events:
+        now, r = heapq.heappop(events)
+        if now < clock[r] or (pointer[r] >= len(main[r]) and not pending[r]):
+            continue
+        now = clock[r]
+        if pointer[r] >= len(main[r]):  # only weight passes left
+            clock[r] = run_weight(r, now)
+            heapq.heappush(events, (clock[r], r))
+            continue
+        code = main[r][pointer[r]]
+        times = [arrival(key, r) for key in inputs(code)]
+        ready = None if None in times else max([now, *times])
+        over = memory[r] + allocation(code) > cap + 1e-9
+        if pending[r] and (over or ready is None or ready > now):
+            stage = pending[r][0][0]
+            if over or not patient or (ready is not None and now + w[stage] <= ready):
+                clock[r] = run_weight(r, now)
+                heapq.heappush(events, (clock[r], r))
+                continue
+        if ready is None:  # wait until the producer runs
+            for key, at in zip(inputs(code), times, strict=True):
+                if at is None:
+                    waiting.setdefault(key, []).append(r)
+                    break
+            continue
+        if ready > now:
+            clock[r] = ready
+            heapq.heappush(events, (ready, r))
+            continue
+        # run the op
+        orders[r].append(code)
+        pointer[r] += 1
+        if code < 0:
+            forward, backward = codec.split_pair(code)
+            duration = timing.pair(forward, backward)
+            halves = (forward, backward)
+        else:
+            slot, kind = code >> 2, code & 3
+            table = (timing.forward, timing.backward, timing.weight, timing.full_backward)[kind]
+            duration = table[slot]
+            halves = (code,)
+        end = now + duration
+        for half in halves:
+            slot, kind = half >> 2, half & 3
+            mb, stage = divmod(slot, S)
+            if kind == F_KIND:
+                memory[r] += activation[stage]
+                key = ("F", stage, mb)
+            else:
+                memory[r] -= activation[stage] * (1 - kept if kind == B_KIND else 1.0)
+                if kind == B_KIND:
+                    pending[r].append((stage, mb))
+                key = ("G", stage, mb)
+            produced[key] = end
+            for rank in waiting.pop(key, []):
+                heapq.heappush(events, (max(clock[rank], end), rank))
+        clock[r] = end
+        heapq.heappush(events, (end, r))
+    if any(pointer[r] < len(main[r]) or pending[r] for r in range(R)):
+        raise ValueError(f"{base.name}: its order of forwards and backwards cannot run")
+    return Schedule(f"{base.name}+w", placement, m, tuple(tuple(o) for o in orders))
+
+
+def improve(
+    schedule: Schedule, costs: Costs, cap: float, score: Callable, seconds: float,
+    evaluations: int | None = None,
+) -> Schedule:  # fmt: skip
+    """Local search: swap neighbouring ops of a rank when the simulator says the step gets
+    faster and the order stays valid and under the cap; longest-span ranks first (they set
+    the step), first improvement wins, until a sweep finds none, ``seconds`` run out or
+    ``evaluations`` candidates have been simulated (for a result that does not depend on the
+    machine's speed)."""
+    deadline = time.monotonic() + seconds
+    budget = evaluations if evaluations is not None else float("inf")
+    best = schedule
+    best_result = metrics(simulate(best, costs), costs)
+    best_score = score(best_result)
+    improved = True
+    while improved and time.monotonic() < deadline and budget > 0:
+        improved = False
+        ranks = sorted(range(best.num_ranks), key=lambda r: -best_result.span_per_rank[r])
+        for rank in ranks:
+            k = 0
+            while k < len(best.codes[rank]) - 1 and time.monotonic() < deadline and budget > 0:
+                budget -= 1
+                ops = list(best.codes[rank])
+                ops[k], ops[k + 1] = ops[k + 1], ops[k]
+                codes = (*best.codes[:rank], tuple(ops), *best.codes[rank + 1 :])
+                candidate = Schedule(best.name, best.placement, best.num_microbatches, codes)
+                k += 1
+                try:
+                    result = metrics(simulate(candidate, costs), costs)
+                except ValueError:  # the swap broke a dependency
+                    continue
+                if (
+                    max(result.peak_activations_per_rank) <= cap + 1e-9
+                    and score(result) < best_score
+                ):
+                    best, best_result, best_score, improved = candidate, result, score(result), True
+    return best
+
+
+REFILLED = 3  # how many of the best bases get their W passes re-placed
+FIXED = {"linear": ("1f1b", "zbh1", "zbh2"), "v": ("zbv", "dualpipev")}
+
+
+def default_cap(placement: str, ranks: int, costs: Costs) -> float:
+    """1F1B's activation peak: R stage activations, or 2R half-size ones on a V."""
+    chunks = 2 if placement == "v" else 1
+    return ranks * chunks * max(costs.per_stage("activation", chunks * ranks))
+
+
+def cost_aware(
+    placement: str,
+    ranks: int,
+    microbatches: int,
+    costs: Costs,
+    memory_cap: float | None = None,
+    objective: Callable | None = None,
+    search_seconds: float = 1.0,
+    search_evaluations: int | None = None,
+) -> Schedule:
+    """The fastest schedule found for these costs whose activation peak stays under the cap.
+
+    ``memory_cap`` is per rank, in the units of ``costs.activation`` (default: 1F1B's peak, R
+    stage activations; on a V, R full-size activations). ``objective`` maps a simulated
+    ``Metrics`` to what to minimise (default: the makespan, then the span bubble). Candidates:
+    the list schedules of every policy, the fixed orders that fit the cap, each of them with
+    its W passes re-placed; the best then gets ``search_seconds`` of local search (at most
+    ``search_evaluations`` simulations, if given).
+    """
+    kind = _placement(placement, ranks)
+    cap = memory_cap if memory_cap is not None else default_cap(placement, ranks, costs)
+    smallest = default_cap(placement, 1, costs)
+    if cap < smallest:
+        raise ValueError(
+            f"memory cap {cap:g} is below the smallest possible peak: a rank must hold one "
+            f"activation of each stage it runs ({smallest:g} here, {smallest - cap:g} more)"
+        )
+    score = objective or (lambda result: (result.makespan, result.bubble_ratio_span))
+
+    def rank(schedule: Schedule) -> tuple:
+        return score(metrics(simulate(schedule, costs), costs))
+
+    # on a linear placement a rank has one chunk, so chunk order does not matter
+    policies = POLICIES if placement == "v" else [p for p in POLICIES if p.later_chunk_first]
+    steps = len(policies) + len(FIXED[placement]) + 2 * REFILLED + 1
+    with progress(f"cost-aware search ({placement}, R={ranks}, m={microbatches})", steps) as tick:
+        bases, failure = [], None
+        for policy in policies:
+            try:
+                bases.append(list_schedule(kind, microbatches, costs, cap, policy))
+            except ValueError as error:  # this policy starved a rank; others may not
+                failure = error
+            tick(status="greedy orders")
+        for name in FIXED[placement]:
+            info = schedule_info(name)
+            if info.accepts(ranks, microbatches):
+                fixed = info.generate(ranks, microbatches)
+                if max(peak_activations(fixed, costs)) <= cap + 1e-9:
+                    bases.append(fixed)
+            tick(status="fixed orders")
+        if not bases:
+            raise failure or ValueError(f"no schedule fits the activation memory cap {cap:g}")
+        scored = sorted((rank(base), index, base) for index, base in enumerate(bases))
+        candidates = [(value, base) for value, _, base in scored]
+        for _, _, base in scored[:REFILLED]:  # re-placing W passes is slow: the front-runners
+            for patient in (True, False):
+                filled = fill_weights(base, costs, cap, patient)
+                if max(peak_activations(filled, costs)) <= cap + 1e-9:
+                    candidates.append((rank(filled), filled))
+                tick(status="weight passes")
+        best = min(candidates, key=lambda candidate: candidate[0])[1]
+        if search_seconds > 0:
+            best = improve(best, costs, cap, score, search_seconds, search_evaluations)
+        tick(status="local search")
+    name = "cost-aware" if placement == "linear" else "cost-aware-v"
+    return Schedule(name, best.placement, best.num_microbatches, best.codes)

@@ -1,0 +1,102 @@
+"""Cost-aware zero-bubble schedules (cutpipe.plan.scheduler)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cutpipe.plan.scheduler import FIXED, cost_aware, default_cap
+from cutpipe.schedule.registry import schedule_info
+from cutpipe.schedule.validate import validate
+from cutpipe.sim.costs import Costs
+from cutpipe.sim.memory import peak_activations
+from cutpipe.sim.metrics import metrics
+from cutpipe.sim.simulate import simulate
+
+#: The zero-bubble paper's profiled costs (microseconds).
+ZB_LINEAR = Costs(f=18522, b=18086, w=9337, comm=601)
+ZB_V = Costs(f=14407, b=14380, w=9676, comm=1610)
+
+
+def result(schedule, costs):
+    return metrics(simulate(schedule, costs), costs)
+
+
+def fixed_orders_within(placement, R, m, costs, cap):
+    for name in FIXED[placement]:
+        info = schedule_info(name)
+        if info.accepts(R, m):
+            schedule = info.generate(R, m)
+            if max(peak_activations(schedule, costs)) <= cap + 1e-9:
+                yield name, schedule
+
+
+@settings(max_examples=25)
+@given(
+    placement=st.sampled_from(("linear", "v")),
+    ranks=st.integers(2, 5),
+    extra=st.integers(0, 8),
+    f=st.integers(2, 12),
+    b=st.integers(2, 12),
+    w=st.integers(1, 12),
+    comm=st.integers(0, 3),
+    headroom=st.floats(1.0, 2.0),
+)
+def test_never_slower_than_a_fixed_order_that_fits(
+    placement, ranks, extra, f, b, w, comm, headroom
+):
+    costs = Costs(f=f, b=b, w=w, comm=comm)
+    m = 2 * ranks - 1 + extra
+    cap = default_cap(placement, ranks, costs) * headroom
+    tuned = cost_aware(
+        placement, ranks, m, costs, memory_cap=cap, search_seconds=5, search_evaluations=20
+    )
+    validate(tuned)
+    assert max(peak_activations(tuned, costs)) <= cap + 1e-9
+    ours = result(tuned, costs).makespan
+    for name, fixed in fixed_orders_within(placement, ranks, m, costs, cap):
+        assert ours <= result(fixed, costs).makespan + 1e-9, name
+
+
+def test_fills_the_room_between_zb_h1_and_zb_h2_memory():
+    """ZB-H1 needs R activations, ZB-H2 about 2R; with 1.5R the fixed orders are stuck at
+    ZB-H1 while the cost-aware one uses the extra memory."""
+    cap = 12  # R = 8
+    tuned = cost_aware("linear", 8, 24, ZB_LINEAR, memory_cap=cap, search_seconds=0)
+    zbh1 = result(schedule_info("zbh1").generate(8, 24), ZB_LINEAR)
+    ours = result(tuned, ZB_LINEAR)
+    assert max(ours.peak_activations_per_rank) <= cap
+    assert ours.bubble_ratio < 0.8 * zbh1.bubble_ratio  # 0.120 vs 0.159
+
+
+def test_v_shape_at_the_zero_bubble_papers_setting():
+    """R = 16, m = 48, memory capped at R x M_B: no worse than the fixed ZB-V (0.0712 by the
+    span measure). The paper reports 0.0697 for its searched schedule; this one reaches about
+    0.0705 (see docs/plan.md)."""
+    span = lambda r: (r.bubble_ratio_span, r.makespan)  # noqa: E731
+    # a budget in simulations, not seconds, so the result does not depend on the machine
+    tuned = cost_aware(
+        "v", 16, 48, ZB_V, objective=span, search_seconds=300, search_evaluations=800
+    )
+    ours = result(tuned, ZB_V)
+    fixed = result(schedule_info("zbv").generate(16, 48), ZB_V)
+    assert max(ours.peak_activations_per_rank) <= 32
+    assert fixed.bubble_ratio_span == pytest.approx(0.0712, abs=5e-4)
+    assert ours.bubble_ratio_span <= fixed.bubble_ratio_span
+    assert ours.bubble_ratio_span < 0.0710
+
+
+def test_unequal_costs_beat_the_fixed_v_by_the_step():
+    costs = Costs(f=3, b=4, w=1, comm=0.5)
+    tuned = cost_aware("v", 4, 16, costs, search_seconds=0)
+    assert (
+        result(tuned, costs).makespan < result(schedule_info("zbv").generate(4, 16), costs).makespan
+    )
+
+
+def test_a_cap_below_one_activation_per_stage_is_refused():
+    with pytest.raises(ValueError, match=r"below the smallest possible peak.*\(2 here, 0.5 more\)"):
+        cost_aware("v", 4, 8, Costs(), memory_cap=1.5)
+    with pytest.raises(ValueError, match="'linear' or 'v'"):
+        cost_aware("bidirectional", 4, 8, Costs())
