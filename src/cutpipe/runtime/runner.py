@@ -30,6 +30,7 @@ from cutpipe.runtime.chain import Chain
 from cutpipe.runtime.comm import HEADER_LENGTH, Mailbox, PeerLost, encode_header, meta_of, wait
 from cutpipe.runtime.emulate import EmulatedExecutor
 from cutpipe.runtime.executor import StageExecutor, Value
+from cutpipe.runtime.flat import reduce_gradients, share_values
 from cutpipe.runtime.guard import Guard, PipelineError
 from cutpipe.runtime.program import ACTIVATION, GRADIENT, Instruction, Pair, RankProgram, halves
 from cutpipe.schedule.codes import F_CODE, W_CODE
@@ -218,17 +219,11 @@ class PipelineRunner:
                 seen.setdefault(id(parameter), parameter)
         return list(seen.values())
 
-    @torch.no_grad()
     def _copy_parameters_from(self, source: int) -> None:
         """Make DualPipe's two copies of each stage start equal (the lower rank's wins)."""
-        parameters = self.parameters()
-        if parameters:
-            flat = torch.cat([p.detach().reshape(-1) for p in parameters])
-            dist.broadcast(flat, src=source, group=self._mirror)
-            for parameter, value in zip(
-                parameters, torch._utils._unflatten_dense_tensors(flat, parameters), strict=True
-            ):
-                parameter.copy_(value)
+        share_values(
+            self.parameters(), lambda flat: dist.broadcast(flat, src=source, group=self._mirror)
+        )
 
     # -- a step ----------------------------------------------------------------------------------
 
@@ -470,22 +465,11 @@ class PipelineRunner:
             for dst, parcel in self._outbox[index]:
                 self._mailbox.send(parcel, [by_key[key] for key in parcel], dst)
 
-    @torch.no_grad()
     def _sum_copies(self) -> None:
         """Add up the gradients of DualPipe's two copies of each stage (this rank and its mirror)."""
-        parameters = self.parameters()
-        if not parameters:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        collective(dist.all_reduce, flat, group=self._mirror)
-        for parameter, value in zip(
-            parameters, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
-        ):
-            if parameter.grad is None:
-                parameter.grad = value.clone()
-            else:
-                parameter.grad.copy_(value)
+        reduce_gradients(
+            self.parameters(), lambda flat: collective(dist.all_reduce, flat, group=self._mirror)
+        )
 
     def _total_loss(self) -> torch.Tensor | None:
         """The step's loss on every rank: the loss ranks' sums and counts, added up everywhere."""
