@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from cutpipe.cli import (
+    bench,
     compare,
     draw,
     partition,
@@ -26,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (
-        simulate, compare, schedule, draw, train, tune, partition, recommend, profile,
+        simulate, compare, schedule, draw, train, tune, partition, recommend, profile, bench,
     ):  # fmt: skip
         module.register(commands)
     return parser

@@ -1,6 +1,17 @@
 """Reference models to run pipelines on."""
 
+from cutpipe.models.expert_parallel import ExpertParallel, expert_parameters, shard_experts
 from cutpipe.models.mlp import mlp
+from cutpipe.models.moe_stage import MoEStage, moe_stages
 from cutpipe.models.transformer import LanguageModelLoss, language_model
 
-__all__ = ["LanguageModelLoss", "language_model", "mlp"]
+__all__ = [
+    "ExpertParallel",
+    "LanguageModelLoss",
+    "MoEStage",
+    "expert_parameters",
+    "language_model",
+    "mlp",
+    "moe_stages",
+    "shard_experts",
+]

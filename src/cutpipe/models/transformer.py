@@ -5,7 +5,8 @@ causal attention, then a gated MLP or a top-k routed mixture of experts), and a 
 module between stages takes and returns ``(hidden, aux)``: ``aux`` accumulates the MoE
 load-balancing loss along the pipeline, so the last stage can add it to the loss.
 
-All experts of an ``MoE`` live on this rank here; expert parallelism replaces its dispatch.
+All experts of an ``MoE`` live on this rank unless ``cutpipe.models.expert_parallel.shard_experts``
+spreads them over an expert-parallel group; then its dispatch goes through all-to-alls.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k routed experts with a Switch-style load-balancing loss; every expert is local."""
+    """Top-k routed experts with a Switch-style load-balancing loss; all local unless sharded."""
 
     def __init__(
         self, hidden: int, ffn: int, experts: int, top_k: int, shared: int = 0, gated: bool = True
@@ -77,6 +78,8 @@ class MoE(nn.Module):
         if top_k > experts:
             raise ValueError(f"top_k {top_k} is more than the {experts} experts")
         self.top_k = top_k
+        self.num_experts = experts  # routed experts in the whole model, local or not
+        self.expert_parallel = None  # set by shard_experts: experts live on an EP group
         self.router = nn.Linear(hidden, experts, bias=False)
         self.experts = nn.ModuleList(MLP(hidden, ffn, gated) for _ in range(experts))
         self.shared = nn.ModuleList(MLP(hidden, ffn, gated) for _ in range(shared))
@@ -86,7 +89,7 @@ class MoE(nn.Module):
         probabilities = self.router(tokens).softmax(-1)
         weights, chosen = probabilities.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
-        count = len(self.experts)
+        count = self.num_experts
         load = F.one_hot(chosen, count).float().sum((0, 1)) / (tokens.shape[0] * self.top_k)
         balance = count * (load * probabilities.mean(0)).sum()
         return chosen, weights, balance
@@ -104,7 +107,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = x.reshape(-1, x.shape[-1])
         chosen, weights, balance = self.route(tokens)
-        out = self.experts_forward(tokens, chosen, weights)
+        if self.expert_parallel is None:
+            out = self.experts_forward(tokens, chosen, weights)
+        else:
+            out = self.expert_parallel.forward(self.experts, tokens, chosen, weights)
         for expert in self.shared:
             out = out + expert(tokens)
         return out.view_as(x), balance

@@ -1,0 +1,158 @@
+"""The seed's MoE experiment at its own scale, simulated from the model's FLOPs and bytes.
+
+The seed trains a 40-layer MoE with 8 experts on 8 GPUs (batch 1024 sequences of 2048 tokens)
+with 1F1B, DualPipe and Cut-in-half. The GPUs are split into pipeline x expert parallelism (by
+default PP 4 x EP 2, so the all-to-alls run inside a node). Every item of the model (embedding,
+layers, head) gets its forward, backward, weight-gradient and all-to-all times and its
+activation and parameter bytes from ``cutpipe.plan.costs``; the items are cut into each
+schedule's stages so that every rank's compute is as even as one layer's granularity allows
+(``cutpipe.plan.partition.rank_balanced_sizes``); the simulator then times a step and counts
+memory:
+
+- throughput: the batch over the simulated step time;
+- peak memory: training state (16 bytes per stored parameter: DualPipe stores each stage twice)
+  plus the simulator's peak activation bytes, on the rank where their sum is largest;
+- bubble: the idle share of the step on the most idle rank;
+- communication: the share of the step a rank spends in all-to-alls nothing hides (outside an
+  overlapped F&B pair, or longer than the other half's compute), the most exposed rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cutpipe.bench.report import Row
+from cutpipe.plan.costs import (
+    STATE_BYTES_PER_PARAMETER,
+    ModelSpec,
+    boundary_bytes,
+    gpu,
+    model_items,
+    p2p_time,
+    w_memory,
+)
+from cutpipe.plan.partition import rank_balanced_sizes, stage_costs
+from cutpipe.schedule.actions import Kind, Overlap
+from cutpipe.schedule.registry import generate, schedule_info
+from cutpipe.schedule.schedule import Schedule
+from cutpipe.sim.costs import Costs
+from cutpipe.sim.memory import peak_activations
+from cutpipe.sim.metrics import metrics, p2p_sends
+from cutpipe.sim.simulate import simulate
+
+#: The seed's model (examples/models/seed-moe-40l.yaml): 40 layers, 8 experts, top-2.
+SEED_MODEL = ModelSpec(
+    name="seed-moe-40l", layers=40, hidden=2048, heads=16, ffn=5632, experts=8, top_k=2,
+    vocab=32000, seq_len=2048, microbatch_size=1,
+)  # fmt: skip
+#: The seed's lineup, plus ZB-V (the best V-shape without overlapped pairs).
+SEED_SCHEDULES = ("1f1b", "dualpipe", "dualpipev", "zbv")
+
+
+@dataclass(frozen=True)
+class SeedSetting:
+    """Devices, how they split, the batch, and the GPU the costs are derived for."""
+
+    model: ModelSpec = field(default=SEED_MODEL)
+    gpu: str = "A100"
+    devices: int = 8
+    pp: int = 4
+    ep: int = 2
+    batch: int = 1024  # sequences per step, over all pipelines
+
+    @property
+    def dp(self) -> int:
+        return self.devices // (self.pp * self.ep)
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per pipeline and step."""
+        return self.batch // (self.dp * self.ep * self.model.microbatch_size)
+
+    def check(self) -> None:
+        """A ValueError saying what to change."""
+        gpu(self.gpu)
+        if self.ep < 1 or (self.model.moe and self.model.experts % self.ep):
+            raise ValueError(
+                f"expert-parallel size {self.ep} does not divide the {self.model.experts} "
+                "experts: use a divisor of the expert count"
+            )
+        if self.pp < 1 or self.ep < 1 or self.devices % (self.pp * self.ep):
+            raise ValueError(
+                f"PP {self.pp} x EP {self.ep} does not divide {self.devices} devices: choose "
+                f"sizes whose product divides {self.devices}"
+            )
+        per = self.dp * self.ep * self.model.microbatch_size
+        if self.batch % per:
+            raise ValueError(
+                f"a batch of {self.batch} does not split into microbatches of "
+                f"{self.model.microbatch_size} over {self.dp * self.ep} pipelines: use a multiple "
+                f"of {per}"
+            )
+
+
+def exposed_alltoall(schedule: Schedule, costs: Costs) -> list[float]:
+    """Per rank, the all-to-all seconds nothing hides (the simulator's own pair rule)."""
+    S = schedule.num_stages
+    f, b, w, ep_f, ep_b = (costs.per_stage(n, S) for n in ("f", "b", "w", "ep_f", "ep_b"))
+    exposed = []
+    for ops in schedule.actions:
+        total = 0.0
+        for op in ops:
+            if type(op) is Overlap:
+                fs, back = op.forward.stage, op.backward
+                grad = b[back.stage] + (w[back.stage] if back.kind == Kind.BW else 0.0)
+                total += max(0.0, ep_f[fs] + ep_b[back.stage] - (f[fs] + grad))
+            elif op.kind == Kind.F:
+                total += ep_f[op.stage]
+            elif op.kind in (Kind.B, Kind.BW):
+                total += ep_b[op.stage]
+        exposed.append(total)
+    return exposed
+
+
+def simulate_seed(
+    setting: SeedSetting = SeedSetting(), schedules: Sequence[str] = SEED_SCHEDULES
+) -> list[Row]:
+    """Each schedule at the seed's scale: a ``Row`` of simulated figures."""
+    setting.check()
+    hardware = gpu(setting.gpu)
+    within_node = setting.pp * setting.ep * setting.dp <= hardware.gpus_per_node
+    items = model_items(setting.model, hardware, ep=setting.ep, ep_within_node=within_node)
+    comm = p2p_time(setting.model, hardware, within_node)
+    m = setting.microbatches
+    baseline = p2p_sends(generate("1f1b", setting.pp, m))
+    rows = []
+    for name in schedules:
+        schedule = generate(name, setting.pp, m)
+        sizes = rank_balanced_sizes(items, schedule)
+        costs = stage_costs(items, sizes, comm, w_memory(setting.model),
+                            p2p_bytes=boundary_bytes(setting.model))  # fmt: skip
+        timeline = simulate(schedule, costs)
+        result = metrics(timeline, costs)
+        params = costs.params or []
+        activations = peak_activations(schedule, costs)
+        state = [
+            STATE_BYTES_PER_PARAMETER * sum(params[s] for s in schedule.placement.stages_of(r))
+            for r in range(setting.pp)
+        ]
+        peak_rank = max(range(setting.pp), key=lambda r: state[r] + activations[r])
+        exposed = exposed_alltoall(schedule, costs)
+        stored = sum(state) / STATE_BYTES_PER_PARAMETER / sum(params)  # copies count
+        rows.append(
+            Row(
+                schedule=name,
+                title=schedule_info(name).title,
+                throughput=setting.batch / result.makespan,
+                memory=state[peak_rank] + activations[peak_rank],
+                bubble=result.bubble_ratio,
+                comm=max(exposed) / result.makespan,
+                memory_parts={"state": state[peak_rank], "activations": activations[peak_rank]},
+                memory_per_rank=[s + a for s, a in zip(state, activations, strict=True)],
+                params_x=stored,
+                pp_traffic_x=result.p2p_sends / baseline,
+                note=f"stages {sizes}",
+            )
+        )
+    return rows

@@ -1,0 +1,128 @@
+"""`cutpipe bench moe`: the seed's comparison, simulated at scale and run here for real."""
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from cutpipe import Costs, generate
+from cutpipe.bench.measured import HOOK_OFF, RealSetting, run_real
+from cutpipe.bench.simulated import (
+    SEED_MODEL,
+    SeedSetting,
+    exposed_alltoall,
+    simulate_seed,
+)
+from cutpipe.cli.main import main
+from cutpipe.plan.costs import ModelSpec, gpu, model_items
+from cutpipe.plan.partition import rank_balanced_sizes
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_the_seed_model_is_the_example_file():
+    assert ModelSpec.load(ROOT / "examples" / "models" / "seed-moe-40l.yaml") == SEED_MODEL
+
+
+@pytest.mark.parametrize("name", ["1f1b", "dualpipe", "dualpipev", "zbv"])
+def test_seed_stages_even_out_the_ranks(name):
+    """Ranks, not stages: a V's rank 0 also holds the head, so its stages get fewer layers."""
+    schedule = generate(name, 4, 64)
+    items = model_items(SEED_MODEL, gpu("A100"), ep=2)
+    work = [i.forward + i.backward + i.weight for i in items]
+    sizes = rank_balanced_sizes(items, schedule)
+    bounds = list(itertools.accumulate([0, *sizes]))
+    stage = [sum(work[a:b]) for a, b in itertools.pairwise(bounds)]
+    loads = [sum(stage[s] for s in schedule.placement.stages_of(r)) for r in range(4)]
+    layer = max(work[1:-1])
+    assert max(loads) - min(loads) <= 2 * layer
+
+
+def test_exposed_alltoall_follows_the_pair_rule():
+    costs = Costs(f=2, b=2, w=1, ep_f=0.5, ep_b=0.5)
+    one_f_one_b = generate("1f1b", 4, 8)
+    assert exposed_alltoall(one_f_one_b, costs) == [8.0] * 4  # every F and BW exposes its own
+    dual = generate("dualpipev", 4, 10)
+    exposed = exposed_alltoall(dual, costs)
+    pairs = [sum(type(op).__name__ == "Overlap" for op in ops) for ops in dual.actions]
+    singles = [len(ops) - p for ops, p in zip(dual.actions, pairs, strict=True)]
+    assert all(p > 0 for p in pairs)
+    # pairs hide theirs completely (1 of all-to-all under 4+ of compute); W ops expose none
+    for rank, ops in enumerate(dual.actions):
+        own = sum(0.5 for op in ops if type(op).__name__ != "Overlap" and op.kind.name != "W")
+        assert exposed[rank] == own
+    assert sum(singles) > 0
+
+
+def test_simulated_seed_table_shows_the_structural_facts():
+    rows = {row.schedule: row for row in simulate_seed()}
+    assert set(rows) == {"1f1b", "dualpipe", "dualpipev", "zbv"}
+    assert rows["dualpipe"].params_x == 2 and rows["dualpipev"].params_x == 1
+    assert rows["dualpipev"].pp_traffic_x == 2 and rows["1f1b"].pp_traffic_x == 1
+    assert rows["dualpipev"].memory < rows["dualpipe"].memory
+    # overlapped pairs hide the all-to-all that 1F1B and ZB-V expose in every op
+    assert rows["dualpipev"].comm < rows["1f1b"].comm and rows["dualpipe"].comm < rows["zbv"].comm
+    for row in rows.values():
+        assert row.throughput > 0 and 0 <= row.bubble < 1 and 0 <= row.comm < 1
+        assert row.memory == max(row.memory_per_rank)
+
+
+def test_bench_moe_sim_only_json(capsys):
+    assert main(["bench", "moe", "--sim-only", "--json", "--gpu", "H100"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["measured"] == [] and data["hook_step_ratio"] is None
+    assert [row["schedule"] for row in data["simulated"]] == [
+        "1f1b",
+        "dualpipe",
+        "dualpipev",
+        "zbv",
+    ]
+    assert data["settings"]["simulated"]["gpu"] == "H100"
+    claims = {v["claim"].split(" (")[0]: v["simulated"] for v in data["verdicts"]}
+    assert claims["Cut-in-half stores the parameters once, DualPipe twice"] is True
+
+
+def test_bench_moe_prints_the_table_and_the_claims(capsys):
+    assert main(["bench", "moe", "--sim-only"]) == 0
+    out = capsys.readouterr().out
+    for text in ("Cut-in-half", "ZB-V", "samples/s", "Against the seed's claims", "simulated"):
+        assert text in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ep", "3"], "expert-parallel size 3 does not divide the 4 experts"),
+        (["--sim-ep", "3"], "expert-parallel size 3 does not divide the 8 experts"),
+        (["--sim-pp", "3"], "PP 3 x EP 2 does not divide 8 devices"),
+        (["--gpu", "Z80"], "unknown GPU 'Z80'"),
+        (["--batch", "1001"], "use a multiple of 2"),
+        (["--microbatches", "2"], "dualpipev"),
+    ],
+)
+def test_bench_moe_bad_input_fails_before_any_process_starts(capsys, args, message):
+    assert main(["bench", "moe", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_seed_setting_defaults_are_the_seed():
+    setting = SeedSetting()
+    assert (setting.devices, setting.pp * setting.ep, setting.batch) == (8, 8, 1024)
+    assert setting.microbatches == 512  # per pipeline: 1024 over EP 2, one sequence each
+
+
+@pytest.mark.timeout(120)
+def test_real_runs_measure_every_figure():
+    setting = RealSetting(steps=1, schedules=("1f1b", "dualpipev"))
+    rows, ratio = run_real(setting, timeout=100)
+    by_name = {row.schedule: row for row in rows}
+    assert set(by_name) == {"1f1b", "dualpipev", HOOK_OFF}
+    assert ratio > 0
+    for row in rows:
+        assert row.throughput > 0 and 0 <= row.bubble < 1 and 0 <= row.comm < 1
+        assert len(row.memory_per_rank) == 4 and row.memory == max(row.memory_per_rank)
+        parts = row.memory_parts
+        assert min(parts["parameters"], parts["gradients"], parts["activations"]) > 0
+        assert parts["optimizer"] == pytest.approx(2 * parts["parameters"], rel=0.01)
+    assert by_name["dualpipev"].pp_traffic_x == 2 and by_name["1f1b"].params_x == 1

@@ -1,0 +1,151 @@
+"""Expert parallelism, PP x EP (x DP) meshes, the overlap hook and its timing, on gloo processes.
+
+Exactness: losses and gradients against the same model run without expert parallelism in one
+process (fp32, relative error <= 1e-6; fp64 to rounding). Timing: the overlapped F&B pair in time
+emulation, and DualPipeV on real gloo with the hook and without, measured side by side.
+"""
+
+import moe_workers as workers
+import pytest
+import torch
+
+from cutpipe.models.transformer import MoE
+from cutpipe.plan.costs import ModelSpec
+from cutpipe.runtime import run
+from cutpipe.runtime.memory import ActivationMeter, state_bytes
+from cutpipe.runtime.mesh import Layout, build_mesh
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_expert_parallel_moe_matches_the_model_without_it(dtype):
+    limit = 1e-6 if dtype == torch.float32 else 1e-12
+    for result in run(workers.expert_parallel_only, 2, (dtype,), timeout=50):
+        assert result["experts_held"] == workers.TINY.layers * workers.TINY.experts // 2
+        assert result["loss"] == pytest.approx(result["expected"], rel=limit)
+        assert result["mean_loss"] == pytest.approx(result["expected_mean"], rel=1e-6)
+        assert result["grad_error"] <= limit
+
+
+CASES = [
+    ("dualpipev", 5, "sum", True), ("dualpipev", 4, "mean", False), ("dualpipe", 4, "sum", True),
+    ("1f1b", 4, "mean", True), ("zbv", 5, "sum", True),
+]  # fmt: skip
+
+
+@pytest.mark.timeout(90)
+def test_pp2_x_ep2_pipelines_match_the_reference_for_every_schedule():
+    for rank in run(workers.pipeline_exactness, 4, ((2, 2, 1), CASES), timeout=80):
+        for result in rank:
+            case = result["case"]
+            assert result["loss"] == pytest.approx(result["expected"], rel=1e-6), case
+            assert result["eval"] == pytest.approx(result["expected"], rel=1e-6), case
+            assert result["grad_error"] <= 1e-6, case
+            if "overlap=True" in case and result["pairs"]:
+                # every stage holds an MoE layer: each pair really interleaves its halves
+                assert result["interleaved"] >= result["pairs"], case
+            else:
+                assert result["interleaved"] == 0, case
+
+
+@pytest.mark.timeout(120)
+def test_eight_processes_as_pp4_x_ep2_and_pp2_x_ep2_x_dp2():
+    runs = [
+        ((4, 2, 1), [("dualpipev", 7, "sum", True)]),
+        ((2, 2, 2), [("dualpipev", 4, "mean", True), ("1f1b", 4, "sum", True)]),
+    ]
+    ranks = run(workers.several_layouts, 8, (runs,), timeout=110)
+    for layout, width in ((0, 4), (1, 2)):
+        coordinates = {rank[layout][0]["coordinate"] for rank in ranks}
+        assert len(coordinates) == 8  # every rank has its own place in the mesh
+        assert {c[0] for c in coordinates} == set(range(width))
+    for rank in ranks:
+        for layout in rank:
+            for result in layout:
+                case = result["case"]
+                assert result["loss"] == pytest.approx(result["expected"], rel=1e-6), case
+                assert result["grad_error"] <= 1e-6, case
+
+
+@pytest.mark.timeout(60)
+def test_the_overlap_hook_gives_the_gradients_of_the_pair_run_one_after_the_other():
+    for result in run(workers.hook_against_sequential, 4, (5,), timeout=50):
+        on, off = result["losses"]
+        assert on == off
+        assert result["identical"] and result["grad_error"] == 0.0
+
+
+@pytest.mark.timeout(90)
+def test_an_overlapped_pair_takes_about_max_of_compute_and_communication_in_emulation():
+    layers = 2
+    for exchange in (0.01, 0.02):  # communication below and above compute
+        costs = {"route": 0.01, "experts": 0.01, "exchange": exchange}
+        result = run(workers.emulated_pairs, 2, (layers, costs, 6), timeout=40)[0]
+        compute, comm = result["compute"], result["comm"]
+        print(
+            f"emulated F&B pair: compute {compute * 1e3:.0f} ms, communication "
+            f"{comm * 1e3:.0f} ms (max {max(compute, comm) * 1e3:.0f}, sum "
+            f"{(compute + comm) * 1e3:.0f}); measured with the hook {result['with'] * 1e3:.1f} ms, "
+            f"without {result['without'] * 1e3:.1f} ms"
+        )
+        assert result["with"] <= 1.15 * max(compute, comm)
+        assert result["without"] >= 0.97 * (compute + comm)
+        assert result["with"] <= 0.75 * result["without"]
+
+
+@pytest.mark.timeout(120)
+def test_dualpipev_steps_faster_with_the_overlap_hook_on_gloo():
+    sizes = {"layers": 4, "hidden": 32, "ffn": 128, "seq_len": 32, "microbatch_size": 4}
+    result = run(workers.step_times, 2, ((1, 2, 1), 20, 12, sizes), timeout=110)[0]
+    print(
+        f"DualPipeV, 1 pipeline rank x EP 2, gloo, 20 rounds: median step with the hook "
+        f"{result['with'] * 1e3:.1f} ms, without {result['without'] * 1e3:.1f} ms (median "
+        f"ratio {result['ratio']:.3f}); plain stages, blocking exchanges "
+        f"{result['plain'] * 1e3:.1f} ms"
+    )
+    assert result["ratio"] < 1.0
+
+
+def test_bad_layouts_say_what_to_change_before_any_process_group_exists():
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match="expert-parallel size 3 does not divide the 8 experts"):
+        Layout(pp=2, ep=3).check(6, experts=8, top_k=2)
+    with pytest.raises(ValueError, match="does not match the world size 8: choose sizes"):
+        Layout(pp=2, ep=2).check(8, experts=8, top_k=2)
+    with pytest.raises(ValueError, match="top_k 9 is more than the 8 experts"):
+        Layout(pp=1, ep=2).check(2, experts=8, top_k=9)
+    with pytest.raises(ValueError, match="top_k 3 is more than the 2 experts"):
+        ModelSpec(name="m", layers=1, hidden=8, heads=2, ffn=8, vocab=8, seq_len=4,
+                  experts=2, top_k=3)  # fmt: skip
+    with pytest.raises(ValueError, match="top_k 3 is more than the 2 experts"):
+        MoE(8, 8, experts=2, top_k=3)
+    with pytest.raises(ValueError, match="not initialized"):
+        build_mesh(1, 1)
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.timeout(60)
+def test_a_mesh_that_does_not_fit_raises_on_every_rank_and_creates_no_group():
+    for messages in run(workers.bad_mesh, 2, timeout=50):
+        assert "does not match the world size 2" in messages[0]
+        assert "expert-parallel size 3 does not divide the 4 experts" in messages[1]
+        assert "top_k 5 is more than the 4 experts" in messages[2]
+        assert messages[3] == "groups created: 0"
+
+
+def test_the_activation_meter_counts_saved_storages_until_they_are_freed():
+    weight = torch.nn.Parameter(torch.randn(64, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    with ActivationMeter(exclude=[weight]) as meter:
+        y = torch.tanh(x @ weight)  # saves x (counted), the weight (excluded) and y
+    assert meter.peak == meter.current == 2 * 32 * 64 * 4
+    y.sum().backward()
+    del y
+    assert meter.current == 32 * 64 * 4  # x is still alive, and was saved
+    del x
+    assert meter.current == 0 and meter.peak == 2 * 32 * 64 * 4
+    optimizer = torch.optim.Adam([weight])
+    optimizer.step()
+    held = state_bytes([weight], optimizer)
+    assert held == {"parameters": 64 * 64 * 4, "gradients": 64 * 64 * 4,
+                    "optimizer": 2 * 64 * 64 * 4 + 4}  # fmt: skip
