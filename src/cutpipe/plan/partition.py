@@ -10,9 +10,9 @@ embedding and the head make those stages heavy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, pairwise
+from itertools import accumulate, pairwise, permutations
 
 from cutpipe.plan.costs import ItemCost
 from cutpipe.plan.progress import progress
@@ -51,6 +51,21 @@ def stage_costs(
         w_memory=w_memory, params=total("parameters"), p2p_bytes=p2p_bytes,
         ep_bytes=max(total("ep_bytes")),
     )  # fmt: skip
+
+
+def stage_state_bytes(items: Sequence[ItemCost], sizes: Sequence[int]) -> list[float]:
+    """Training-state bytes of each stage (parameters, gradients, optimizer state)."""
+    return [sum(item.state_bytes for item in part) for part in groups(items, sizes)]
+
+
+def moves(sizes: Sequence[int]) -> Iterator[list[int]]:
+    """The neighbours a balancer tries: one stage gives an item's place to another."""
+    for giver, taker in permutations(range(len(sizes)), 2):
+        if sizes[giver] > 1:
+            trial = list(sizes)
+            trial[giver] -= 1
+            trial[taker] += 1
+            yield trial
 
 
 def even_sizes(items: Sequence[ItemCost], stages: int) -> list[int]:
@@ -105,19 +120,17 @@ def rank_balanced_sizes(
         over = 0.0
         if capacity is not None:
             costs = stage_costs(items, sizes, comm, w_memory)
-            state = [sum(i.state_bytes for i in part) for part in groups(items, sizes)]
-            over = max(0.0, max(rank_memory(schedule, costs, state)) - capacity)
+            memory = rank_memory(schedule, costs, stage_state_bytes(items, sizes))
+            over = max(0.0, max(memory) - capacity)
         return over, max(ranks), sum(x * x for x in ranks)
 
     sizes = compute_balanced_sizes(items, stages)
     best = score(sizes)
     improved = True
-    while improved:
+    while improved:  # first improvement, scanning on from it (cheaper than steepest descent)
         improved = False
-        for giver in range(stages):
-            for taker in range(stages):
-                if giver == taker or sizes[giver] == 1:
-                    continue
+        for giver, taker in permutations(range(stages), 2):
+            if sizes[giver] > 1:
                 trial = list(sizes)
                 trial[giver] -= 1
                 trial[taker] += 1
@@ -152,9 +165,9 @@ def evaluate(
     w_memory: float,
 ) -> Partition:
     costs = stage_costs(items, sizes, comm, w_memory)
-    state = [sum(i.state_bytes for i in part) for part in groups(items, sizes)]
     step = metrics(simulate(schedule, costs), costs).makespan
-    return Partition(list(sizes), costs, step, rank_memory(schedule, costs, state))
+    memory = rank_memory(schedule, costs, stage_state_bytes(items, sizes))
+    return Partition(list(sizes), costs, step, memory)
 
 
 def balance(
@@ -172,34 +185,23 @@ def balance(
     def fits(partition: Partition) -> bool:
         return max(partition.memory) <= cap
 
-    starts = [evaluate(schedule, items, even_sizes(items, stages), comm, w_memory),
-              evaluate(schedule, items, compute_balanced_sizes(items, stages), comm, w_memory)]  # fmt: skip
-    feasible = [p for p in starts if fits(p)]
-    best = min(
-        feasible or starts,
-        key=lambda p: (not fits(p), max(p.memory) if not fits(p) else p.step_time),
-    )
+    def key(partition: Partition) -> tuple[bool, float]:
+        """Fitting partitions first, by step; the others by how much memory they need."""
+        return (False, partition.step_time) if fits(partition) else (True, max(partition.memory))
+
+    starts = [even_sizes(items, stages), compute_balanced_sizes(items, stages)]
+    best = min((evaluate(schedule, items, s, comm, w_memory) for s in starts), key=key)
     with progress("balancing stages") as tick:
         for _ in range(max_rounds):
-            candidates = []
-            for giver in range(stages):  # one stage gives an item's place to another
-                for taker in range(stages):
-                    sizes = list(best.sizes)
-                    sizes[giver] -= 1
-                    sizes[taker] += 1
-                    if giver != taker and sizes[giver] >= 1:
-                        candidates.append(evaluate(schedule, items, sizes, comm, w_memory))
+            candidates = [
+                evaluate(schedule, items, trial, comm, w_memory) for trial in moves(best.sizes)
+            ]
             tick(status=f"step {best.step_time:.4g}")
-            improving = [
-                c for c in candidates
-                if (fits(c) and (not fits(best) or c.step_time < best.step_time - 1e-12))
-                or (not fits(best) and max(c.memory) < max(best.memory))
-            ]  # fmt: skip
-            if not improving:
+            challenger = min(candidates, key=key, default=best)
+            worse, value = key(best)
+            if key(challenger) >= (worse, value - 1e-12):  # no gain beyond rounding
                 break
-            best = min(
-                improving, key=lambda p: (not fits(p), p.step_time if fits(p) else max(p.memory))
-            )
+            best = challenger
     if not fits(best):
         raise ValueError(
             f"no partition of {len(items) - 2} layers into {stages} stages fits {cap / 1e9:.1f} GB per "

@@ -41,7 +41,7 @@ class Profile:
             kind = (
                 "embedding" if index == 0
                 else "head" if index == len(analytic) - 1
-                else "moe_layer" if "MoE" in modelled.name
+                else "moe_layer" if modelled.expert_parameters
                 else "dense_layer"
             )  # fmt: skip
             measured = self.items[kind]

@@ -24,10 +24,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cutpipe.plan.costs import Hardware, ItemCost, ModelSpec, model_items, p2p_time, w_memory
-from cutpipe.plan.partition import groups, rank_balanced_sizes, rank_memory, stage_costs
+from cutpipe.plan.partition import (
+    groups,
+    rank_balanced_sizes,
+    rank_memory,
+    stage_costs,
+    stage_state_bytes,
+)
 from cutpipe.plan.profile import Profile
 from cutpipe.plan.progress import progress
 from cutpipe.schedule.registry import SCHEDULES, schedule_info
+from cutpipe.sim.costs import Costs
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
 
@@ -98,12 +105,15 @@ def evaluate(
     items = _items(model, hardware, ep, profile)
     if len(items) - 2 < schedule.num_stages:
         return None
-    sizes = rank_balanced_sizes(items, schedule)
     comm = p2p_time(model, hardware, within_node=devices <= hardware.gpus_per_node)
     kept = profile.w_memory if profile else w_memory(model)
-    costs = stage_costs(items, sizes, comm, kept)
-    state = [sum(i.state_bytes for i in part) for part in groups(items, sizes)]
-    memory = rank_memory(schedule, costs, state)
+
+    def weigh(sizes: list[int]) -> tuple[Costs, list[float]]:
+        costs = stage_costs(items, sizes, comm, kept)
+        return costs, rank_memory(schedule, costs, stage_state_bytes(items, sizes))
+
+    sizes = rank_balanced_sizes(items, schedule)
+    costs, memory = weigh(sizes)
     if max(memory) > capacity:
         if max(memory) > NEAR_MISS * capacity:
             return None
@@ -112,9 +122,7 @@ def evaluate(
         info = schedule_info(name)
         short = info.generate(pp, min(microbatches, max(4 * pp, info.min_microbatches(pp))))
         sizes = rank_balanced_sizes(items, short, capacity, comm, kept)
-        costs = stage_costs(items, sizes, comm, kept)
-        state = [sum(i.state_bytes for i in part) for part in groups(items, sizes)]
-        memory = rank_memory(schedule, costs, state)
+        costs, memory = weigh(sizes)
         if max(memory) > capacity:
             return None
     result = metrics(simulate(schedule, costs), costs)

@@ -69,7 +69,6 @@ def list_schedule(
     chunks = [sorted(placement.stages_of(r), reverse=policy.later_chunk_first) for r in range(R)]
     next_f = [0] * S  # per stage: next microbatch to forward
     f_done = [[False] * m for _ in range(S)]
-    b_done = [[False] * m for _ in range(S)]
     inbound_f = [[None] * m for _ in range(S)]  # when F's input arrives at the stage
     inbound_g = [[None] * m for _ in range(S)]  # when B's gradient arrives at the stage
     for i in range(m):
@@ -96,18 +95,21 @@ def list_schedule(
         )
         return memory[rank] + activation[stage] + reserve <= cap + 1e-9
 
-    def urgent_arrival(rank: int, now: float, below: int) -> float | None:
-        """When the next work more urgent than priority ``below`` becomes ready (B: 0, F of
-        the chunks in preference order: 1, 2, ...), if it is already known."""
+    def arrivals(rank: int, now: float, below: int | None = None) -> list[float]:
+        """Known future times at which work becomes ready on ``rank``: a B (priority 0) or the
+        F of a chunk (priority 1, 2, ... in preference order); only priorities below ``below``."""
         times = [ready_b[rank][0][0]] if ready_b[rank] else []
         for priority, stage in enumerate(chunks[rank], start=1):
-            if priority >= below:
+            if below is not None and priority >= below:
                 break
             mb = next_f[stage]
             if mb < m and inbound_f[stage][mb] is not None and fits(rank, stage):
                 times.append(inbound_f[stage][mb])
-        later = [t for t in times if t > now]
-        return min(later) if later else None
+        return [t for t in times if t > now]
+
+    def due(rank: int, now: float, below: int | None = None) -> float | None:
+        """With lookahead, when the next more urgent work arrives (None: nothing known)."""
+        return min(arrivals(rank, now, below), default=None) if policy.lookahead else None
 
     def decide(rank: int, now: float) -> tuple[int, int, int] | None:
         """The op ``rank`` starts at ``now``, or None to wait."""
@@ -125,25 +127,16 @@ def list_schedule(
                 and inbound_f[stage][mb] <= now
                 and fits(rank, stage)
             ):
-                due = urgent_arrival(rank, now, priority) if policy.lookahead else None
-                if due is None or due >= now + f[stage] + ep_f[stage]:
+                urgent = due(rank, now, priority)
+                if urgent is None or urgent >= now + f[stage] + ep_f[stage]:
                     return (F_KIND, stage, mb)
         if pending_w[rank]:
             stage, mb = pending_w[rank][0]
-            due = urgent_arrival(rank, now, len(chunks[rank]) + 1) if policy.lookahead else None
-            if due is None or due >= now + w[stage] or not arrivals(rank, now):
+            urgent = due(rank, now)
+            if urgent is None or urgent >= now + w[stage]:
                 pending_w[rank].popleft()
                 return (W_KIND, stage, mb)
         return None
-
-    def arrivals(rank: int, now: float) -> list[float]:
-        """Known future times at which something becomes ready on ``rank``."""
-        times = [ready_b[rank][0][0]] if ready_b[rank] else []
-        for stage in chunks[rank]:
-            mb = next_f[stage]
-            if mb < m and inbound_f[stage][mb] is not None and fits(rank, stage):
-                times.append(inbound_f[stage][mb])
-        return [t for t in times if t > now]
 
     def deliver(stage: int, microbatch: int, at: float, gradient: bool, source: int) -> None:
         rank = owner[stage]
@@ -190,7 +183,6 @@ def list_schedule(
             end = now + b[stage] + ep_b[stage]
             memory[r] -= (1 - kept) * activation[stage]
             in_flight[stage] -= 1
-            b_done[stage][mb] = True
             pending_w[r].append((stage, mb))
             if stage > 0:
                 deliver(stage - 1, mb, end, gradient=True, source=r)
