@@ -11,9 +11,12 @@ import pytest
 from cutpipe.cli.main import main
 from cutpipe.plan import progress as progress_module
 from cutpipe.plan.costs import ModelSpec, gpu, model_items, p2p_time, w_memory
-from cutpipe.plan.partition import balance, evaluate, even_sizes
-from cutpipe.plan.recommend import USABLE_MEMORY, reason, recommend
+from cutpipe.plan.partition import balance, evaluate, even_sizes, stage_costs
+from cutpipe.plan.recommend import USABLE_MEMORY, reason, recommend, ring_allreduce
+from cutpipe.plan.recommend import evaluate as evaluate_plan
 from cutpipe.schedule.registry import generate
+from cutpipe.sim.metrics import metrics
+from cutpipe.sim.simulate import simulate
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "models"
 BIG_VOCAB = ModelSpec(name="big-vocab", layers=24, hidden=2560, heads=20, ffn=6912, vocab=256000,
@@ -71,6 +74,21 @@ def test_recommend_seed_moe_on_eight_a100():
     assert by[(4, 2, "dualpipev")].peak_memory < by[(4, 2, "dualpipe")].peak_memory
     text = reason(plans, gpu("A100"))
     assert plans[0].layout() in text and f"{plans[0].tokens_per_second:,.0f} tokens/s" in text
+
+
+def test_gradient_all_reduce_spares_experts_that_no_other_rank_holds():
+    """With EP = DP every expert lives on one rank: only the dense parameters are all-reduced."""
+    model, a100 = ModelSpec.load(EXAMPLES / "seed-moe-40l.yaml"), gpu("A100")
+    plan = evaluate_plan(model, a100, 8, 1, 8, "1f1b", 16, 80e9)
+    items = model_items(model, a100, ep=8)
+    comm = p2p_time(model, a100, within_node=True)
+    costs = stage_costs(items, [len(items)], comm, w_memory(model))
+    makespan = metrics(simulate(generate("1f1b", 1, 16), costs), costs).makespan
+    dense = sum(i.parameters - i.expert_parameters for i in items)
+    bandwidth, latency = a100.link(within_node=True)
+    expected = makespan + ring_allreduce(dense * 2, 8, bandwidth, latency)
+    assert plan.step_time == pytest.approx(expected)
+    assert ring_allreduce(1e9, 1, bandwidth, latency) == 0.0
 
 
 def test_recommend_refuses_what_cannot_fit_and_says_by_how_much():

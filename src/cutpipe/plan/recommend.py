@@ -8,7 +8,8 @@ memory checked, and its step simulated:
 
 - step time = the simulated pipeline step (its ops include any exposed expert all-to-all)
   + ring all-reduces of the gradients, ``2*(n-1)/n * bytes / bandwidth`` for a group of ``n``:
-  dense parameters over the DP ranks, routed experts over the DP/EP ranks that share them
+  dense parameters over the DP ranks, routed experts over the DP/EP ranks that share them, for
+  every stage the busiest rank stores (DualPipe's two copies both)
 - memory per device = training state of the stages it stores (16 bytes per parameter; DualPipe
   stores two stages) + its simulated peak activations, at most 90% of the GPU's memory
 - communication share = (pipeline transfers on the most loaded rank + exposed expert
@@ -126,11 +127,19 @@ def evaluate(
         if max(memory) > capacity:
             return None
     result = metrics(simulate(schedule, costs), costs)
-    replicated = max(sum(i.parameters for i in part) for part in groups(items, sizes))
     bandwidth, latency = hardware.link(within_node=devices <= hardware.gpus_per_node)
-    allreduce = (
-        0.0 if dp == 1 else 2 * (dp - 1) / dp * replicated * 2 / bandwidth + 2 * (dp - 1) * latency
-    )
+    parts = groups(items, sizes)
+    experts = [sum(i.expert_parameters for i in part) for part in parts]
+    dense = [sum(i.parameters for i in part) - e for part, e in zip(parts, experts, strict=True)]
+
+    def allreduce_on(rank: int) -> float:  # every stage the rank stores, DualPipe's copies too
+        held = schedule.placement.stages_of(rank)
+        grad = model.element_bytes
+        return ring_allreduce(sum(dense[s] for s in held) * grad, dp, bandwidth, latency) + (
+            ring_allreduce(sum(experts[s] for s in held) * grad, dp // ep, bandwidth, latency)
+        )
+
+    allreduce = max(allreduce_on(rank) for rank in range(pp))
     step = result.makespan + allreduce
     busiest = max(range(pp), key=lambda r: result.busy_per_rank[r])
     sends = result.p2p_sends / pp
@@ -148,6 +157,13 @@ def evaluate(
     bubble = max(0.0, result.bubble_ratio)  # not -1e-15
     return Plan(pp, dp, ep, name, microbatches, step, tokens / step, bubble, max(memory),
                 min(1.0, comm_time / step), sizes)  # fmt: skip
+
+
+def ring_allreduce(size: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """Seconds for a ring all-reduce of ``size`` bytes over ``ranks``."""
+    if ranks <= 1 or size == 0:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * size / bandwidth + 2 * (ranks - 1) * latency
 
 
 def recommend(
