@@ -223,3 +223,13 @@ def test_draw_writes_every_format_from_the_command_line(capsys, tmp_path, suffix
         for n, r, m in (("dualpipe", 8, 20), ("dualpipev", 4, 10), ("zbv", 4, 10))
     )
     assert f"wrote {out}: {expected} ops of 3 timeline(s)" in capsys.readouterr().out
+
+
+def test_kinds_stay_apart_in_greyscale():
+    """F lightest to FB darkest, at least 0.1 apart in relative luminance (style's promise)."""
+    from itertools import pairwise
+
+    from cutpipe.viz.style import KIND_COLOURS, relative_luminance
+
+    order = [relative_luminance(KIND_COLOURS[kind]) for kind in ("F", "B", "W", "BW", "FB")]
+    assert all(a - b >= 0.1 for a, b in pairwise(order))

@@ -1,8 +1,9 @@
 """Colours and patterns shared by every picture.
 
 Kinds differ in lightness as well as hue, so they stay apart in greyscale: F is the lightest,
-then B, W, BW, and FB the darkest (relative luminance 0.69, 0.52, 0.40, 0.19, 0.05). The second direction of DualPipe (and the second leg of a V)
-keeps its kind's colour, hatched, with a darker edge.
+then B, W, BW, and FB the darkest (relative luminance 0.69, 0.52, 0.40, 0.19, 0.05). The second
+direction of DualPipe (and the second leg of a V) keeps its kind's colour, hatched, with a darker
+edge.
 """
 
 from __future__ import annotations
