@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cutpipe.plan.bounds import v_bubble_lower_bound
 from cutpipe.plan.scheduler import FIXED, cost_aware, default_cap
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.schedule.validate import validate
@@ -71,20 +72,19 @@ def test_fills_the_room_between_zb_h1_and_zb_h2_memory():
 
 
 def test_v_shape_at_the_zero_bubble_papers_setting():
-    """R = 16, m = 48, memory capped at R x M_B: no worse than the fixed ZB-V (0.0712 by the
-    span measure). The paper reports 0.0697 for its searched schedule; this one reaches about
-    0.0705 (see docs/plan.md)."""
+    """R = 16, m = 48, memory capped at R x M_B: the fixed ZB-V has a span bubble of 0.0712; the
+    cost-aware one reaches the lower bound of any V schedule in this cost model, 0.069724, the
+    paper's 0.0697 to the four places it reports (docs/plan.md gives the argument)."""
     span = lambda r: (r.bubble_ratio_span, r.makespan)  # noqa: E731
-    # a budget in simulations, not seconds, so the result does not depend on the machine
-    tuned = cost_aware(
-        "v", 16, 48, ZB_V, objective=span, search_seconds=300, search_evaluations=800
-    )
+    tuned = cost_aware("v", 16, 48, ZB_V, objective=span, search_seconds=0)
     ours = result(tuned, ZB_V)
     fixed = result(schedule_info("zbv").generate(16, 48), ZB_V)
     assert max(ours.peak_activations_per_rank) <= 32
     assert fixed.bubble_ratio_span == pytest.approx(0.0712, abs=5e-4)
-    assert ours.bubble_ratio_span <= fixed.bubble_ratio_span
-    assert ours.bubble_ratio_span < 0.0710
+    assert ours.bubble_ratio_span == pytest.approx(
+        v_bubble_lower_bound(16, 48, ZB_V, 32), abs=1e-12
+    )
+    assert round(ours.bubble_ratio_span, 4) == 0.0697
 
 
 def test_unequal_costs_beat_the_fixed_v_by_the_step():

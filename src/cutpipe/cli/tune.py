@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import suppress
 from pathlib import Path
 
 from cutpipe.cli.common import add_costs_argument, fmt, print_json
+from cutpipe.plan.bounds import v_bubble_lower_bound
 from cutpipe.plan.scheduler import FIXED, cost_aware, default_cap
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.sim.metrics import metrics
@@ -56,15 +58,22 @@ def run(args: argparse.Namespace) -> int:
         if info.accepts(R, m):
             fixed = info.generate(R, m)
             rows.append((name, metrics(simulate(fixed, costs), costs)))
+    cap = args.memory_cap if args.memory_cap is not None else default_cap(args.placement, R, costs)
+    floor = None
+    if args.placement == "v":
+        with suppress(ValueError):  # per-stage costs, all-to-alls: the bound does not cover them
+            floor = v_bubble_lower_bound(R, m, costs, cap)
     if args.output:
         Path(args.output).write_text(json.dumps(tuned.to_dict()) + "\n")
     if args.json:
-        print_json({name: result.to_dict() for name, result in rows})
+        report = {name: result.to_dict() for name, result in rows}
+        if floor is not None:
+            report["lower_bound"] = {"bubble_ratio_span": floor}
+        print_json(report)
         return 0
     from rich.console import Console
     from rich.table import Table
 
-    cap = args.memory_cap if args.memory_cap is not None else default_cap(args.placement, R, costs)
     table = Table(title=f"{args.placement} placement, R={R}, m={m}, activation cap {fmt(cap)}")
     for column in ("schedule", "makespan", "bubble (abs)", "bubble (span)", "peak activations"):
         table.add_column(column, justify="left" if column == "schedule" else "right")
@@ -72,5 +81,9 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(name, fmt(result.makespan), fmt(result.bubble_ratio), fmt(result.bubble_ratio_span),
                       fmt(max(result.peak_activations_per_rank))
                       + ("" if max(result.peak_activations_per_rank) <= cap + 1e-9 else " (over)"))  # fmt: skip
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    if floor is not None:
+        console.print(f"No V schedule has a span bubble below {floor:.6f} with these costs and this "
+                      "cap (cutpipe.plan.bounds).")  # fmt: skip
     return 0

@@ -9,6 +9,8 @@ else a deferred W (which fills what would be a bubble), else it waits for the ne
 A few policies are tried (which chunk's F and B go first on a V, whether a W may start when a B
 is due during it) and every candidate, together with the fixed orders that respect the cap, is
 timed by the simulator; the fastest wins. So the result is never slower than the fixed orders.
+The winner's cool-down is then re-sequenced by critical path (``plan.cooldown``), which is what
+takes ZB-V at the zero-bubble paper's setting to the lower bound of ``plan.bounds``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cutpipe.plan.cooldown import settle_cooldown
 from cutpipe.plan.progress import progress
 from cutpipe.schedule.codes import Codec
 from cutpipe.schedule.placement import Placement
@@ -384,8 +387,9 @@ def cost_aware(
     stage activations; on a V, R full-size activations). ``objective`` maps a simulated
     ``Metrics`` to what to minimise (default: the makespan, then the span bubble). Candidates:
     the list schedules of every policy, the fixed orders that fit the cap, each of them with
-    its W passes re-placed; the best then gets ``search_seconds`` of local search (at most
-    ``search_evaluations`` simulations, if given).
+    its W passes re-placed; the best gets its cool-down settled (``plan.cooldown``), then
+    ``search_seconds`` of local search (at most ``search_evaluations`` simulations, if given),
+    then its cool-down settled again.
     """
     kind = _placement(placement, ranks)
     cap = memory_cap if memory_cap is not None else default_cap(placement, ranks, costs)
@@ -402,7 +406,7 @@ def cost_aware(
 
     # on a linear placement a rank has one chunk, so chunk order does not matter
     policies = POLICIES if placement == "v" else [p for p in POLICIES if p.later_chunk_first]
-    steps = len(policies) + len(FIXED[placement]) + 2 * REFILLED + 1
+    steps = len(policies) + len(FIXED[placement]) + 2 * REFILLED + 2
     with progress(f"cost-aware search ({placement}, R={ranks}, m={microbatches})", steps) as tick:
         bases, failure = [], None
         for policy in policies:
@@ -429,8 +433,12 @@ def cost_aware(
                     candidates.append((rank(filled), filled))
                 tick(status="weight passes")
         best = min(candidates, key=lambda candidate: candidate[0])[1]
+        best = settle_cooldown(best, costs, score)
+        tick(status="cool-down")
         if search_seconds > 0:
-            best = improve(best, costs, cap, score, search_seconds, search_evaluations)
+            searched = improve(best, costs, cap, score, search_seconds, search_evaluations)
+            if searched is not best:
+                best = settle_cooldown(searched, costs, score)
         tick(status="local search")
     name = "cost-aware" if placement == "linear" else "cost-aware-v"
     return Schedule(name, best.placement, best.num_microbatches, best.codes)

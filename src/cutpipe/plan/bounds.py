@@ -1,0 +1,72 @@
+"""How short any V-shape step can be under a memory cap: a yardstick for the cost-aware search.
+
+The argument follows the tip rank (R-1, which holds stages R-1 and R). Its first forward cannot
+start before R-1 forwards and hops, and its first gradient cannot arrive before one microbatch
+has gone around the whole V, so until then it can run only forwards, as many as the cap holds.
+Before its last forward of stage R it must have run the other 2m-1 forwards and, to keep that
+forward under the cap, freed enough memory with backwards and weight passes. That last
+forward's microbatch must then still travel up the V and back down to rank 0, whose span
+(first forward to last op) is therefore at least the sum. With F = 14407, B = 14380, W = 9676,
+comm = 1610 us, R = 16, m = 48 and R x M_B memory this gives a span bubble of 0.069724.
+"""
+
+from __future__ import annotations
+
+import math
+
+from cutpipe.sim.costs import Costs
+
+
+def _uniform(costs: Costs, name: str, stages: int) -> float:
+    values = set(costs.per_stage(name, stages))
+    if len(values) != 1:
+        raise ValueError(
+            f"the V lower bound needs one {name} for every stage, got {sorted(values)}"
+        )
+    return values.pop()
+
+
+def v_span_lower_bound(ranks: int, microbatches: int, costs: Costs, cap: float) -> float:
+    """The least possible longest per-rank span of a V-shape schedule (2 chunks per rank).
+
+    ``cap`` is the activation memory per rank, in the units of ``costs.activation``. Costs must
+    be the same for every stage, with no expert-parallel time and no F&B overlap faster than
+    F + B (the bound counts an overlapped pair as F then B).
+    """
+    if ranks < 1 or microbatches < 1:
+        raise ValueError(f"need ranks >= 1 and microbatches >= 1, got {ranks} and {microbatches}")
+    S = 2 * ranks
+    f, b, w = (_uniform(costs, name, S) for name in ("f", "b", "w"))
+    activation = _uniform(costs, "activation", S)
+    if any(costs.per_stage(name, S) != [0.0] * S for name in ("ep_f", "ep_b")):
+        raise ValueError("the V lower bound assumes no expert-parallel all-to-all time")
+    if costs.fb is not None and costs.fb < f + b:
+        raise ValueError(f"the V lower bound assumes an F&B pair takes F + B; fb={costs.fb}")
+    c, k, m, R = costs.comm, costs.w_memory, microbatches, ranks
+    work = 2 * m * (f + b + w)
+    if R == 1:
+        return work
+    units = cap / activation if activation else math.inf  # activations the cap holds
+    others = 2 * m - 1  # forwards the tip runs before its last forward of stage R
+    tip_start = (R - 1) * (f + c)
+    first_gradient = tip_start + 2 * f + (R - 1) * (f + b + 2 * c)
+    to_free = 2 * m - units  # activation units to free before that last forward
+    if to_free <= 0:
+        last_forward = tip_start + others * f
+    else:
+        per_unit = b + w if k >= 1 else min(b / (1 - k), b + w)  # B alone, or B with its W
+        freeing = to_free * per_unit
+        before_gradient = min(others, math.floor(units + 1e-9))
+        last_forward = max(
+            tip_start + others * f + freeing,
+            first_gradient + (others - before_gradient) * f + freeing,
+        )
+    up_and_down = f + (R - 1) * (f + c) + b + 2 * (R - 1) * (b + c) + b + w
+    return max(work, last_forward + up_and_down)
+
+
+def v_bubble_lower_bound(ranks: int, microbatches: int, costs: Costs, cap: float) -> float:
+    """The least possible span bubble ratio of a V-shape schedule, from ``v_span_lower_bound``."""
+    span = v_span_lower_bound(ranks, microbatches, costs, cap)
+    work = 2 * microbatches * sum(costs.per_stage(n, 2 * ranks)[0] for n in ("f", "b", "w"))
+    return (span - work) / span if span else 0.0

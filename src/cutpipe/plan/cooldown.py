@@ -1,0 +1,199 @@
+"""Settle the cool-down: order each rank's tail by critical path, then pull W passes forward.
+
+After its last forward a rank runs only backwards and weight passes, and its memory only falls,
+so any order of that tail keeps the memory cap. The fixed orders alternate the two directions'
+backwards there in a set rhythm, and on a V that rhythm makes the last microbatch's backward wait
+a little on some rank, which delays the whole step's end. Ordering each tail by the longest path
+from an op to the end of the step (its *bottom level*: a backward's own time plus the chain of
+backwards below it) lets the last chain run unblocked. W passes end no chain, so they wait for
+gaps; those that pile up at the end of the step-setting rank are then pulled forward to just
+after their B wherever the simulator says that costs nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+from cutpipe.schedule.codes import B_CODE, BW_CODE, F_CODE, KIND_BITS, KIND_MASK, W_CODE
+from cutpipe.schedule.schedule import Schedule
+from cutpipe.sim.costs import Costs
+from cutpipe.sim.metrics import metrics
+from cutpipe.sim.simulate import simulate
+
+Key = tuple[int, int, int]  # (kind of what was produced: F_CODE or B_CODE, stage, microbatch)
+
+
+def _last_forward(ops: tuple[int, ...]) -> int:
+    return max((i for i, code in enumerate(ops) if code & KIND_MASK == F_CODE), default=-1)
+
+
+def critical_path_tail(schedule: Schedule, costs: Costs) -> Schedule:
+    """Keep every rank's order up to its last forward; re-sequence what follows by bottom level.
+
+    A rank picks, among its tail ops whose input has arrived, the one with the longest path to
+    the end of the step, and waits instead if a more urgent op arrives before the pick would end.
+    Schedules with overlapped pairs or several pipes (DualPipe's) come back unchanged.
+    """
+    placement = schedule.placement
+    if placement.num_pipes != 1 or any(code < 0 for ops in schedule.codes for code in ops):
+        return schedule
+    R, S = placement.num_ranks, placement.num_stages
+    owner = placement.pipes[0]
+    timing = costs.timing(schedule)
+    durations = (timing.forward, timing.backward, timing.weight, timing.full_backward)
+    comm = timing.latency
+
+    def duration(code: int) -> float:
+        return durations[code & KIND_MASK][code >> KIND_BITS]
+
+    backward_kind = {}
+    for ops in schedule.codes:
+        for code in ops:
+            if code & KIND_MASK in (B_CODE, BW_CODE):
+                backward_kind[code >> KIND_BITS] = code & KIND_MASK
+    level: dict[int, float] = {}  # per slot: bottom level of its backward
+    for stage in range(S):
+        for mb in range(schedule.num_microbatches):
+            slot = mb * S + stage
+            kind = backward_kind[slot]
+            own = timing.weight[slot] if kind == B_CODE else 0.0
+            below = 0.0
+            if stage > 0:
+                hop = comm if owner[stage - 1] != owner[stage] else 0.0
+                below = hop + level[slot - 1]
+            level[slot] = duration((slot << KIND_BITS) | kind) + max(own, below)
+
+    def bottom(code: int) -> float:
+        slot = code >> KIND_BITS
+        return timing.weight[slot] if code & KIND_MASK == W_CODE else level[slot]
+
+    def needs(code: int) -> Key:
+        """What ``code`` waits for: the forward before it, or the gradient from the stage after."""
+        mb, stage = divmod(code >> KIND_BITS, S)
+        kind = code & KIND_MASK
+        if kind == F_CODE:
+            return (F_CODE, stage - 1, mb) if stage > 0 else (F_CODE, -1, mb)
+        if kind == W_CODE:
+            return (B_CODE, stage, mb)
+        return (B_CODE, stage + 1, mb) if stage < S - 1 else (F_CODE, stage, mb)
+
+    produced: dict[Key, float] = {}
+
+    def arrival(key: Key, rank: int) -> float | None:
+        _, stage, _ = key
+        if stage < 0:
+            return 0.0
+        if key not in produced:
+            return None
+        return produced[key] + (comm if owner[stage] != rank else 0.0)
+
+    prefix, tails = [], []
+    for ops in schedule.codes:
+        cut = _last_forward(ops) + 1
+        prefix.append(list(ops[:cut]))
+        tails.append(list(ops[cut:]))
+    pointer = [0] * R
+    clock = [0.0] * R
+    orders: list[list[int]] = [[] for _ in range(R)]
+    events = [(0.0, r) for r in range(R)]
+    left = sum(map(len, schedule.codes))
+
+    def run(rank: int, code: int, start: float) -> None:
+        nonlocal left
+        end = start + duration(code)
+        orders[rank].append(code)
+        clock[rank] = end
+        left -= 1
+        mb, stage = divmod(code >> KIND_BITS, S)
+        kind = code & KIND_MASK
+        if kind != W_CODE:
+            key = (F_CODE if kind == F_CODE else B_CODE, stage, mb)
+            produced[key] = end
+            if kind == F_CODE:  # the next stage's forward, or this stage's backward at the loss
+                consumers = {owner[stage + 1] if stage < S - 1 else rank}
+            else:  # the previous stage's backward and this stage's W
+                consumers = {owner[stage - 1], rank} if stage > 0 else {rank}
+            for consumer in consumers:  # an idle consumer re-decides when the input lands
+                heapq.heappush(events, (max(clock[consumer], end), consumer))
+        heapq.heappush(events, (end, rank))
+
+    while events:
+        now, r = heapq.heappop(events)
+        if now < clock[r]:
+            continue
+        if pointer[r] < len(prefix[r]):  # the fixed part: in order
+            code = prefix[r][pointer[r]]
+            at = arrival(needs(code), r)
+            if at is None:
+                continue  # woken when its input is produced
+            if at > now:
+                heapq.heappush(events, (at, r))
+                continue
+            pointer[r] += 1
+            run(r, code, now)
+            continue
+        known = [(at, code) for code in tails[r] if (at := arrival(needs(code), r)) is not None]
+        ready = [(bottom(code), -at, code) for at, code in known if at <= now]
+        if not ready:
+            if known:
+                heapq.heappush(events, (min(at for at, _ in known), r))
+            continue
+        urgency, _, pick = max(ready)
+        sooner = [at for at, code in known if at > now and bottom(code) > urgency]
+        if sooner and min(sooner) < now + duration(pick):
+            heapq.heappush(events, (min(sooner), r))  # leave the rank free for it
+            continue
+        tails[r].remove(pick)
+        run(r, pick, now)
+    if left:
+        return schedule  # cannot happen for a valid schedule; keep the original to be safe
+    return Schedule(schedule.name, placement, schedule.num_microbatches, tuple(map(tuple, orders)))
+
+
+def sink_weights(
+    schedule: Schedule, costs: Costs, score: Callable, evaluations: int = 256
+) -> Schedule:
+    """Pull the W passes in the tails of the step-setting ranks forward, to just after their B.
+
+    The ranks with the longest span and the latest end are visited; each W in the tail is
+    moved to right after its own B (or after the rank's last forward, whichever is later) and
+    the move is kept if the simulator scores the step no worse. Moves that change nothing are
+    kept too: they free the gaps later W need. At most ``evaluations`` simulations in all.
+    """
+    best = schedule
+    timeline = simulate(best, costs)
+    best_score = score(metrics(timeline, costs))
+    result = metrics(timeline, costs)
+    ranks = {
+        max(range(best.num_ranks), key=lambda r: result.span_per_rank[r]),
+        max(range(best.num_ranks), key=lambda r: timeline.ends[r][-1] if best.codes[r] else 0),
+    }
+    for rank in sorted(ranks):
+        weights = [c for c in best.codes[rank][_last_forward(best.codes[rank]) + 1 :]
+                   if c >= 0 and c & KIND_MASK == W_CODE]  # fmt: skip
+        for weight in weights:
+            if evaluations <= 0:
+                return best
+            ops = list(best.codes[rank])
+            here = ops.index(weight)
+            there = max(ops.index((weight & ~KIND_MASK) | B_CODE), _last_forward(ops)) + 1
+            if there >= here:
+                continue
+            evaluations -= 1
+            ops.insert(there, ops.pop(here))
+            codes = (*best.codes[:rank], tuple(ops), *best.codes[rank + 1 :])
+            candidate = Schedule(best.name, best.placement, best.num_microbatches, codes)
+            candidate_score = score(metrics(simulate(candidate, costs), costs))
+            if candidate_score <= best_score:
+                best, best_score = candidate, candidate_score
+    return best
+
+
+def settle_cooldown(
+    schedule: Schedule, costs: Costs, score: Callable, evaluations: int = 32
+) -> Schedule:
+    """``critical_path_tail`` then ``sink_weights``; the input back if that is not better."""
+    settled = sink_weights(critical_path_tail(schedule, costs), costs, score, evaluations)
+    before = score(metrics(simulate(schedule, costs), costs))
+    return settled if score(metrics(simulate(settled, costs), costs)) < before else schedule
