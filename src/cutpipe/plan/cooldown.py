@@ -52,6 +52,8 @@ def critical_path_tail(schedule: Schedule, costs: Costs) -> Schedule:
         for code in ops:
             if code & KIND_MASK in (B_CODE, BW_CODE):
                 backward_kind[code >> KIND_BITS] = code & KIND_MASK
+    if len(backward_kind) != S * schedule.num_microbatches:
+        return schedule  # not a whole training step: nothing to settle
     level: dict[int, float] = {}  # per slot: bottom level of its backward
     for stage in range(S):
         for mb in range(schedule.num_microbatches):
