@@ -68,5 +68,5 @@ def v_span_lower_bound(ranks: int, microbatches: int, costs: Costs, cap: float) 
 def v_bubble_lower_bound(ranks: int, microbatches: int, costs: Costs, cap: float) -> float:
     """The least possible span bubble ratio of a V-shape schedule, from ``v_span_lower_bound``."""
     span = v_span_lower_bound(ranks, microbatches, costs, cap)
-    work = 2 * microbatches * sum(costs.per_stage(n, 2 * ranks)[0] for n in ("f", "b", "w"))
+    work = 2 * microbatches * sum(_uniform(costs, n, 2 * ranks) for n in ("f", "b", "w"))
     return (span - work) / span if span else 0.0

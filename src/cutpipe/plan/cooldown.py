@@ -15,13 +15,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
+from cutpipe.plan import dataflow
+from cutpipe.plan.dataflow import Key
 from cutpipe.schedule.codes import B_CODE, BW_CODE, F_CODE, KIND_BITS, KIND_MASK, W_CODE
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
-
-Key = tuple[int, int, int]  # (kind of what was produced: F_CODE or B_CODE, stage, microbatch)
 
 
 def _last_forward(ops: tuple[int, ...]) -> int:
@@ -70,25 +70,16 @@ def critical_path_tail(schedule: Schedule, costs: Costs) -> Schedule:
         slot = code >> KIND_BITS
         return timing.weight[slot] if code & KIND_MASK == W_CODE else level[slot]
 
-    def needs(code: int) -> Key:
-        """What ``code`` waits for: the forward before it, or the gradient from the stage after."""
-        mb, stage = divmod(code >> KIND_BITS, S)
-        kind = code & KIND_MASK
-        if kind == F_CODE:
-            return (F_CODE, stage - 1, mb) if stage > 0 else (F_CODE, -1, mb)
-        if kind == W_CODE:
-            return (B_CODE, stage, mb)
-        return (B_CODE, stage + 1, mb) if stage < S - 1 else (F_CODE, stage, mb)
-
     produced: dict[Key, float] = {}
 
-    def arrival(key: Key, rank: int) -> float | None:
-        _, stage, _ = key
-        if stage < 0:
+    def arrival(code: int, rank: int) -> float | None:
+        """When ``code``'s input is on ``rank``: None until its producer has run."""
+        key = dataflow.awaited(code, S)
+        if key is None:
             return 0.0
         if key not in produced:
             return None
-        return produced[key] + (comm if owner[stage] != rank else 0.0)
+        return produced[key] + (comm if owner[key[1]] != rank else 0.0)
 
     prefix, tails = [], []
     for ops in schedule.codes:
@@ -99,25 +90,16 @@ def critical_path_tail(schedule: Schedule, costs: Costs) -> Schedule:
     clock = [0.0] * R
     orders: list[list[int]] = [[] for _ in range(R)]
     events = [(0.0, r) for r in range(R)]
-    left = sum(map(len, schedule.codes))
 
     def run(rank: int, code: int, start: float) -> None:
-        nonlocal left
         end = start + duration(code)
         orders[rank].append(code)
         clock[rank] = end
-        left -= 1
-        mb, stage = divmod(code >> KIND_BITS, S)
-        kind = code & KIND_MASK
-        if kind != W_CODE:
-            key = (F_CODE if kind == F_CODE else B_CODE, stage, mb)
+        key = dataflow.produced(code, S)
+        if key is not None:  # wake the rank that waits on it (this one re-decides at ``end``)
             produced[key] = end
-            if kind == F_CODE:  # the next stage's forward, or this stage's backward at the loss
-                consumers = {owner[stage + 1] if stage < S - 1 else rank}
-            else:  # the previous stage's backward and this stage's W
-                consumers = {owner[stage - 1], rank} if stage > 0 else {rank}
-            for consumer in consumers:  # an idle consumer re-decides when the input lands
-                heapq.heappush(events, (max(clock[consumer], end), consumer))
+            consumer = owner[dataflow.consumer_stage(key, S)]
+            heapq.heappush(events, (max(clock[consumer], end), consumer))
         heapq.heappush(events, (end, rank))
 
     while events:
@@ -126,7 +108,7 @@ def critical_path_tail(schedule: Schedule, costs: Costs) -> Schedule:
             continue
         if pointer[r] < len(prefix[r]):  # the fixed part: in order
             code = prefix[r][pointer[r]]
-            at = arrival(needs(code), r)
+            at = arrival(code, r)
             if at is None:
                 continue  # woken when its input is produced
             if at > now:
@@ -135,7 +117,7 @@ def critical_path_tail(schedule: Schedule, costs: Costs) -> Schedule:
             pointer[r] += 1
             run(r, code, now)
             continue
-        known = [(at, code) for code in tails[r] if (at := arrival(needs(code), r)) is not None]
+        known = [(at, code) for code in tails[r] if (at := arrival(code, r)) is not None]
         ready = [(bottom(code), -at, code) for at, code in known if at <= now]
         if not ready:
             if known:
@@ -148,7 +130,7 @@ def critical_path_tail(schedule: Schedule, costs: Costs) -> Schedule:
             continue
         tails[r].remove(pick)
         run(r, pick, now)
-    if left:
+    if any(pointer[r] < len(prefix[r]) or tails[r] for r in range(R)):
         return schedule  # cannot happen for a valid schedule; keep the original to be safe
     return Schedule(schedule.name, placement, schedule.num_microbatches, tuple(map(tuple, orders)))
 
@@ -165,8 +147,8 @@ def sink_weights(
     """
     best = schedule
     timeline = simulate(best, costs)
-    best_score = score(metrics(timeline, costs))
     result = metrics(timeline, costs)
+    best_score = score(result)
     ranks = {
         max(range(best.num_ranks), key=lambda r: result.span_per_rank[r]),
         max(range(best.num_ranks), key=lambda r: timeline.ends[r][-1] if best.codes[r] else 0),

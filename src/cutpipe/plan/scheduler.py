@@ -21,7 +21,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cutpipe.plan import dataflow
 from cutpipe.plan.cooldown import settle_cooldown
+from cutpipe.plan.dataflow import Key
 from cutpipe.plan.progress import progress
 from cutpipe.schedule.codes import Codec
 from cutpipe.schedule.placement import Placement
@@ -222,28 +224,20 @@ def fill_weights(base: Schedule, costs: Costs, cap: float, patient: bool) -> Sch
     owner = placement.pipes[0]
     timing = costs.timing(base)
     main = [[c for c in ops if c < 0 or c & 3 != W_KIND] for ops in base.codes]
-    produced: dict[tuple[str, int, int], float] = {}
+    produced: dict[Key, float] = {}
     pointer = [0] * R
     clock = [0.0] * R
     memory = [0.0] * R
     pending: list[deque[tuple[int, int]]] = [deque() for _ in range(R)]
     orders: list[list[int]] = [[] for _ in range(R)]
-    waiting: dict[tuple[str, int, int], list[int]] = {}
+    waiting: dict[Key, list[int]] = {}
     events = [(0.0, r) for r in range(R)]
 
-    def inputs(code: int) -> list[tuple[str, int, int]]:
+    def inputs(code: int) -> list[Key]:
         halves = codec.split_pair(code) if code < 0 else (code,)
-        need = []
-        for half in halves:
-            slot, kind = half >> 2, half & 3
-            mb, stage = divmod(slot, S)
-            if kind == F_KIND and stage > 0:
-                need.append(("F", stage - 1, mb))
-            elif kind in (B_KIND, 3) and stage < S - 1:
-                need.append(("G", stage + 1, mb))
-        return need
+        return [key for half in halves if (key := dataflow.awaited(half, S)) is not None]
 
-    def arrival(key: tuple[str, int, int], rank: int) -> float | None:
+    def arrival(key: Key, rank: int) -> float | None:
         if key not in produced:
             return None
         _, stage, _ = key
@@ -306,12 +300,11 @@ def fill_weights(base: Schedule, costs: Costs, cap: float, patient: bool) -> Sch
             mb, stage = divmod(slot, S)
             if kind == F_KIND:
                 memory[r] += activation[stage]
-                key = ("F", stage, mb)
             else:
                 memory[r] -= activation[stage] * (1 - kept if kind == B_KIND else 1.0)
                 if kind == B_KIND:
                     pending[r].append((stage, mb))
-                key = ("G", stage, mb)
+            key = dataflow.produced(half, S)
             produced[key] = end
             for rank in waiting.pop(key, []):
                 heapq.heappush(events, (max(clock[rank], end), rank))
