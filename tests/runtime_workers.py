@@ -211,7 +211,7 @@ def overlap_hook(rank: int, world: int) -> dict:
         s: Recorded(nn.Sequential(*list(model)[s * per : (s + 1) * per]))
         for s in schedule.placement.stages_of(rank)
     }
-    runner = PipelineRunner(schedule, stages, nn.MSELoss())
+    runner = PipelineRunner(schedule, stages, nn.MSELoss(), loss_reduction="sum")
     x, y = batch(m, 16)
     loss = float(runner.step(x, y))
     expected = reference(twin, x, y, m, "sum")

@@ -5,9 +5,10 @@ the batch: the rank holding the first stage reads the inputs, the one holding th
 the targets (passing both everywhere is fine). The step splits the batch into the schedule's
 microbatches, runs this rank's ops in order, and leaves the gradients in the parameters:
 
-- ``loss_reduction="sum"``: the gradients of the sum of the microbatch losses;
-- ``loss_reduction="mean"``: of their mean, i.e. the sum divided by the microbatch count. With a
-  loss that averages within a microbatch, this equals one ``loss_fn`` over the whole batch.
+- ``loss_reduction="mean"`` (default): the gradients of the mean of the microbatch losses, i.e.
+  their sum divided by the microbatch count. With a loss that averages within a microbatch, this
+  equals one ``loss_fn`` over the whole batch, as torch's own pipelining schedules do;
+- ``loss_reduction="sum"``: of their sum.
 
 Under ``torch.no_grad()`` a step runs the forwards only. DualPipe's two copies of each stage get
 their gradients summed before ``step`` returns, so an optimizer sees one consistent model.
@@ -78,7 +79,7 @@ class PipelineRunner:
         *,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
-        loss_reduction: str = "sum",
+        loss_reduction: str = "mean",
         split_backward: bool = True,
         emulate: Costs | None = None,
         time_unit: float = 0.01,
