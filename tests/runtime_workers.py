@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import signal
-import threading
-import time
 
 import torch
 from torch import nn
@@ -132,35 +128,6 @@ def emulated(rank: int, world: int, cases: list[tuple[str, int]], unit: float) -
                 }
             )
     return results
-
-
-def failing(rank: int, world: int, how: str, victim: int, name: str) -> str:
-    """A long emulated step in which ``victim`` raises or is killed; report how each rank ended."""
-    schedule = generate(name, world, 12)
-    started = time.monotonic()
-    runner = PipelineRunner(
-        schedule, None, emulate=Costs(), time_unit=0.05, heartbeat=0.5, dead_after=5, exit_after=5
-    )
-    if rank == victim:
-
-        def strike() -> None:
-            time.sleep(1.5)
-            if how == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            runner._executor.forward = _raising  # the next forward raises
-
-        threading.Thread(target=strike, daemon=True).start()
-    try:
-        runner.step()
-        return "finished"
-    except PipelineError as error:
-        return f"PipelineError after {time.monotonic() - started:.1f}s: {error}"
-    except ValueError as error:
-        return f"ValueError: {error}"
-
-
-def _raising(*_: object) -> None:
-    raise ValueError("boom in a stage module")
 
 
 def bad_inputs(rank: int, world: int, case: str) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cutpipe.runtime.heartbeat import Progress
 from cutpipe.runtime.program import ACTIVATION, MessageKey, Parcel, RankProgram
 
 #: (dtype, shape) of each tensor of a boundary value
@@ -56,6 +57,25 @@ def wait(work: Any, peer: int | None) -> None:
         work.wait()
     except RuntimeError as error:
         raise PeerLost(peer, str(error)) from error
+
+
+class MessageText:
+    """ "the activation of stage 1, microbatch 3 from rank 1", formatted only when read (a
+    heartbeat reads one a second; the step sets one per receive)."""
+
+    __slots__ = ("key", "src")
+
+    def __init__(self, key: MessageKey, src: int) -> None:
+        self.key, self.src = key, src
+
+    def __str__(self) -> str:
+        return f"{describe_message(self.key)} from rank {self.src}"
+
+
+def describe_message(key: MessageKey) -> str:
+    direction, stage, microbatch = key
+    what = "activation" if direction == ACTIVATION else "input gradient"
+    return f"the {what} of stage {stage}, microbatch {microbatch}"
 
 
 def meta_of(tensors: Sequence[torch.Tensor]) -> Meta:
@@ -122,8 +142,10 @@ class Mailbox:
         downward: dist.ProcessGroup,
         device: torch.device,
         dynamic_shapes: bool = False,
+        progress: Progress | None = None,
     ) -> None:
         self._rank = program.rank
+        self._progress = progress or Progress()
         self._global = list(global_ranks)
         self._upward, self._downward = upward, downward  # to higher ranks, to lower ranks
         self._device = device
@@ -166,10 +188,13 @@ class Mailbox:
 
     def end_step(self) -> None:
         """Wait for every send of the step (their tensors stay alive until then)."""
-        _ = self.learning  # every rank settles the signature each step, or ranks would disagree
+        _ = self.learning  # every rank settles the step's agreement, even one that moved nothing
+        progress = self._progress
         while self._sends:
             work, dst, _ = self._sends.popleft()
+            progress.wait_for(dst, f"its sends to rank {dst} to complete")
             wait(work, dst)
+        progress.done_waiting()
         if self._posted or self._arrived:
             unused = sorted({*self._arrived, *(k for p in self._posted for k in p)})
             raise RuntimeError(f"messages received but never used: {unused}")
@@ -182,6 +207,7 @@ class Mailbox:
         return tag
 
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:
+        _ = self.learning  # nothing moves before the ranks agree on the step
         group = self._upward if self._rank < dst else self._downward
         try:
             work = dist.isend(
@@ -196,6 +222,7 @@ class Mailbox:
             wait(done, peer)
 
     def _irecv(self, tensor: torch.Tensor, src: int) -> Any:
+        _ = self.learning
         group = self._upward if src < self._rank else self._downward
         try:
             return dist.irecv(
@@ -245,7 +272,11 @@ class Mailbox:
     def _post(self, parcel: Parcel, src: int) -> None:
         if self.learning and any(key[0] == ACTIVATION for key in parcel):
             header = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self._device)
+            self._progress.wait_for(
+                src, f"the shapes of {describe_message(parcel[0])} from rank {src}"
+            )
             wait(self._irecv(header, src), src)
+            self._progress.done_waiting()
             metas = decode_header(header)
             for key, meta in zip(parcel, metas, strict=True):
                 if key[0] == ACTIVATION:
@@ -293,7 +324,10 @@ class Mailbox:
         if parcel not in self._posted:
             self._post_through(parcel, src)
         work, _, metas, views = self._posted.pop(parcel)
+        progress = self._progress
+        progress.wait_for(src, MessageText(key, src))
         wait(work, src)
+        progress.done_waiting()
         position = 0
         for part, meta in zip(parcel, metas, strict=True):
             self._arrived[part] = tuple(views[position : position + len(meta)])

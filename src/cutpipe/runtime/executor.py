@@ -85,8 +85,10 @@ class StageExecutor:
         split_slots: frozenset[tuple[int, int]],
         split_backward: bool = True,
         w_memory: float = 0.5,
+        check_finite: bool = False,
     ) -> None:
         self.modules = dict(modules)
+        self._check_finite = check_finite
         self.loss_fn = loss_fn
         self._split_slots = split_slots if split_backward else frozenset()
         split_stages = {stage for stage, _ in self._split_slots}
@@ -172,6 +174,11 @@ class StageExecutor:
                     raise ValueError(
                         f"loss_fn must return a scalar tensor, got {shape}: reduce it inside the "
                         "loss (e.g. .mean() or reduction='mean')"
+                    )
+                if self._check_finite and not bool(torch.isfinite(value.detach()).all()):
+                    raise FloatingPointError(
+                        f"the loss of microbatch {ins.microbatch} is {float(value)}: check the "
+                        "data, the learning rate and the loss scale"
                     )
                 self.losses.append(value.detach().reshape(()))
                 loss = value.reshape(()) * self._scale

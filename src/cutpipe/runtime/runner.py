@@ -19,6 +19,8 @@ process group, the modules match this rank's stages, the batch splits into the m
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,17 +29,67 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cutpipe.runtime.agreement import agree_on_setup, check_step, describe, failed_ranks, step_word
 from cutpipe.runtime.chain import Chain
 from cutpipe.runtime.comm import HEADER_LENGTH, Mailbox, PeerLost, encode_header, meta_of, wait
 from cutpipe.runtime.emulate import EmulatedExecutor
 from cutpipe.runtime.executor import StageExecutor, Value
 from cutpipe.runtime.flat import reduce_gradients, share_values
 from cutpipe.runtime.guard import Guard, PipelineError
+from cutpipe.runtime.heartbeat import Progress
 from cutpipe.runtime.program import ACTIVATION, GRADIENT, Instruction, Pair, RankProgram, halves
 from cutpipe.schedule.codes import F_CODE, W_CODE
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.timeline import Timeline
+
+#: seconds a rank may go without completing an op before the watchdog stops the pipeline
+DEFAULT_STEP_TIMEOUT = 600.0
+#: how long set-up waits for the other ranks when the progress watchdog is off
+NO_TIMEOUT = 1800.0
+
+
+def _check_timeouts(
+    step_timeout: float | None, heartbeat: float, dead_after: float, exit_after: float
+) -> None:
+    for name, value in (("heartbeat", heartbeat), ("dead_after", dead_after),
+                        ("exit_after", exit_after), ("step_timeout", step_timeout)):  # fmt: skip
+        if name == "step_timeout" and value is None:
+            continue
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    if step_timeout is not None and step_timeout <= heartbeat:
+        raise ValueError(
+            f"step_timeout ({step_timeout:g} s) must be longer than the heartbeat ({heartbeat:g} s)"
+        )
+
+
+def _tensors(value: Any, name: str) -> tuple[torch.Tensor, ...]:
+    """A tensor or a tuple/list of tensors, as a tuple, or a TypeError naming ``name``."""
+    tensors = (value,) if isinstance(value, torch.Tensor) else value
+    if not isinstance(tensors, (tuple, list)) or not tensors:
+        raise TypeError(
+            f"{name} must be a tensor or a tuple of tensors, got {type(value).__name__}"
+        )
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a tensor or a tuple of tensors, got a {type(tensor).__name__} in it"
+            )
+    return tuple(tensors)
+
+
+def _batch_size(value: Any) -> int:
+    """The batch (dim 0) size of a tensor or of a tuple's first tensor; -1 if there is none."""
+    first = value[0] if isinstance(value, (tuple, list)) and value else value
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        return int(first.shape[0])
+    return -1
 
 
 def collective(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -89,6 +141,8 @@ class PipelineRunner:
         record_timeline: bool = False,
         prefetch: int = 16,
         loss_on_every_rank: bool = True,
+        check_finite: bool = False,
+        step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
         heartbeat: float = 1.0,
         dead_after: float = 20.0,
         exit_after: float = 10.0,
@@ -99,12 +153,81 @@ class PipelineRunner:
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
             self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
-        elif group is None and schedule.num_ranks == 1:
+        elif group is None and getattr(schedule, "num_ranks", None) == 1:
             self.group, self.rank, self.world_size, self._global = None, 0, 1, [0]
         else:
             raise ValueError(
                 "torch.distributed is not initialized: start one process per rank (torchrun, or "
                 "cutpipe.runtime.launch) and call torch.distributed.init_process_group first"
+            )
+        self.progress = Progress()
+        self._position = -1
+        self._guard: Guard | None = None
+        self._mailbox: Mailbox | None = None
+        self._mirror: dist.ProcessGroup | None = None
+        store = self._store() if self.world_size > 1 else None
+        # every rank checks what it can alone, then all compare notes before any group is made:
+        # a rank that failed, or runs another schedule, stops everyone instead of hanging them
+        try:
+            _check_timeouts(step_timeout, heartbeat, dead_after, exit_after)
+            self._set_up_locally(
+                schedule, stages, loss_fn, device, loss_reduction, split_backward, emulate,
+                time_unit, w_memory, record_timeline, prefetch, check_finite,
+            )  # fmt: skip
+            error = None
+        except Exception as failure:
+            error = failure
+        if store is not None:
+            agree_on_setup(
+                store, self.rank, self.world_size,
+                None if error else describe(schedule, emulate is not None),
+                None if error is None else f"{type(error).__name__}: {error}",
+                step_timeout if step_timeout is not None else NO_TIMEOUT,
+            )  # fmt: skip
+        if error is not None:
+            raise error
+        self._loss_everywhere = loss_on_every_rank
+        if store is None:
+            return
+        upward = dist.new_group(self._global, use_local_synchronization=True)
+        downward = dist.new_group(self._global, use_local_synchronization=True)
+        self._mailbox = Mailbox(
+            self._program, self._global, upward, downward, self.device, dynamic_shapes,
+            self.progress,
+        )  # fmt: skip
+        self._guard = Guard(
+            store, dist.distributed_c10d._get_default_store(), self.rank, self._global,
+            self.progress, self._describe, heartbeat=heartbeat, dead_after=dead_after,
+            exit_after=exit_after, step_timeout=step_timeout,
+        )  # fmt: skip
+        if schedule.placement.num_pipes > 1:
+            mirror = sorted(
+                {self._global[self.rank], self._global[self.world_size - 1 - self.rank]}
+            )
+            self._mirror = dist.new_group(mirror, use_local_synchronization=True)
+            if sync_copies and not self._emulated:
+                self._copy_parameters_from(mirror[0])
+
+    def _set_up_locally(
+        self,
+        schedule: Schedule,
+        stages: Mapping[int, nn.Module] | None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        device: torch.device | str | None,
+        loss_reduction: str,
+        split_backward: bool,
+        emulate: Costs | None,
+        time_unit: float,
+        w_memory: float,
+        record_timeline: bool,
+        prefetch: int,
+        check_finite: bool,
+    ) -> None:
+        """Everything one rank can check and build without talking to the others."""
+        if not isinstance(schedule, Schedule):
+            raise TypeError(
+                f"schedule must be a cutpipe Schedule (from cutpipe.generate), got "
+                f"{type(schedule).__name__}"
             )
         if schedule.num_ranks != self.world_size:
             raise ValueError(
@@ -114,6 +237,13 @@ class PipelineRunner:
             )
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError(
+                f"prefetch is how many ops ahead receives are posted; it must be an int >= 1, "
+                f"got {prefetch!r}"
+            )
         self.loss_reduction = loss_reduction
         self._program = RankProgram(schedule, self.rank)
         self._forward_program: RankProgram | None = None
@@ -125,9 +255,14 @@ class PipelineRunner:
                     f"rank {self.rank} holds stages {', '.join(map(str, held))} of {schedule.name!r}; "
                     f"it was given modules for stages {given}"
                 )
+            for stage, module in stages.items():
+                if not isinstance(module, nn.Module):
+                    raise TypeError(
+                        f"stage {stage} must be a torch.nn.Module, got {type(module).__name__}"
+                    )
             self.device = torch.device(device) if device is not None else self._device_of(stages)
             self._executor: StageExecutor | EmulatedExecutor = StageExecutor(
-                stages, loss_fn, self._program.split_slots, split_backward, w_memory
+                stages, loss_fn, self._program.split_slots, split_backward, w_memory, check_finite
             )
         else:
             self.device = torch.device(device or "cpu")
@@ -136,36 +271,21 @@ class PipelineRunner:
         self._loss_fn = loss_fn
         self._emulated = emulate is not None
         self._record = record_timeline
-        if prefetch < 1:
-            raise ValueError(
-                f"prefetch is how many ops ahead receives are posted; it must be >= 1, got {prefetch}"
-            )
         self._prefetch = prefetch
-        self._loss_everywhere = loss_on_every_rank
         self._times: tuple[list[float], list[float]] | None = None
-        self._position = -1
         self._ops: list = self._program.ops
         self._last_signature: list[int] | None = None
         self._pending_collectives: list[Any] = []
         self._handoff: dict[tuple[int, int, int], Value] = {}
         self._outbox = self._program.outbox
-        self._mirror: dist.ProcessGroup | None = None
-        self._mailbox: Mailbox | None = None
-        self._guard: Guard | None = None
-        if self.world_size > 1:
-            upward = dist.new_group(self._global, use_local_synchronization=True)
-            downward = dist.new_group(self._global, use_local_synchronization=True)
-            self._mailbox = Mailbox(
-                self._program, self._global, upward, downward, self.device, dynamic_shapes
-            )
-            self._guard = self._make_guard(heartbeat, dead_after, exit_after)
-            if schedule.placement.num_pipes > 1:
-                mirror = sorted(
-                    {self._global[self.rank], self._global[self.world_size - 1 - self.rank]}
-                )
-                self._mirror = dist.new_group(mirror, use_local_synchronization=True)
-                if sync_copies and not self._emulated:
-                    self._copy_parameters_from(mirror[0])
+
+    def _store(self) -> dist.Store:
+        """This runner's own corner of the c10d store (runners built in the same order on every
+        rank get the same corner)."""
+        store = dist.distributed_c10d._get_default_store()
+        me = self._global[self.rank]
+        instance = store.add(f"cutpipe/instances/{me}", 1)
+        return dist.PrefixStore(f"cutpipe/{'-'.join(map(str, self._global))}/{instance}", store)
 
     @classmethod
     def from_sequential(
@@ -197,16 +317,6 @@ class PipelineRunner:
                 return parameter.device
         return torch.device("cpu")
 
-    def _make_guard(self, heartbeat: float, dead_after: float, exit_after: float) -> Guard:
-        store = dist.distributed_c10d._get_default_store()
-        me = self._global[self.rank]
-        instance = store.add(f"cutpipe/instances/{me}", 1)
-        prefix = f"cutpipe/{'-'.join(map(str, self._global))}/{instance}"
-        return Guard(
-            dist.PrefixStore(prefix, store), self.rank, self.world_size, self._describe,
-            heartbeat, dead_after, exit_after,
-        )  # fmt: skip
-
     @property
     def modules(self) -> dict[int, nn.Module]:
         """This rank's stage modules, by stage."""
@@ -234,80 +344,119 @@ class PipelineRunner:
         return self._executor.peak_units
 
     def _describe(self) -> str:
+        """Where this rank is, for heartbeats and messages."""
         position = self._position
         if 0 <= position < len(self._ops):
             op = self._ops[position]
             return str(self.schedule.codec.decode(op.code))
-        return "its set-up, before any action"
+        if self.progress.in_step:
+            return "the start or end of the step"
+        return "between steps" if self.progress.step else "its set-up, before any step"
 
     def _microbatches(self, value: Any, name: str) -> list[tuple[torch.Tensor, ...]]:
         """Split a tensor or tuple of tensors along dim 0 into the schedule's microbatches."""
         m = self.schedule.num_microbatches
-        tensors = (value,) if isinstance(value, torch.Tensor) else tuple(value)
+        tensors = _tensors(value, name)
         for tensor in tensors:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(
-                    f"{name} must be a tensor or a tuple of tensors, got {type(tensor).__name__}"
-                )
-            if tensor.dim() == 0 or tensor.shape[0] % m:
-                size = tensor.shape[0] if tensor.dim() else 0
+            if tensor.dim() == 0 or tensor.shape[0] == 0:
                 raise ValueError(
-                    f"{name} has batch size {size}, which does not split into {m} equal "
+                    f"{name} has {'no batch dimension' if tensor.dim() == 0 else 'an empty batch'}"
+                    f": pass a batch of {m} or more samples (a multiple of {m}) along dim 0"
+                )
+            if tensor.shape[0] % m:
+                raise ValueError(
+                    f"{name} has batch size {tensor.shape[0]}, which does not split into {m} equal "
                     f"microbatches: use a batch size divisible by {m}"
                 )
         chunks = [t.to(self.device, non_blocking=True).chunk(m) for t in tensors]
         return [tuple(chunk[i] for chunk in chunks) for i in range(m)]
 
-    def _signature(self, batch: list[Any] | None) -> Callable[[], bool]:
-        """Start broadcasting rank 0's input signature; the returned call says whether it is new.
+    def _agree(self, training: bool, inputs: Any, targets: Any, batch: list[Any] | None,
+               failed: bool) -> Callable[[], bool]:  # fmt: skip
+        """Start the step's all-gather (see ``agreement``); the returned call waits for it, stops
+        this rank if any rank disagrees or failed to start the step, and says whether rank 0's
+        input signature is new (so boundary shapes are learned again).
 
-        The broadcast runs in the background: only a transfer that must know the answer (and
-        rank 0 never does before the data is on its way) waits for it."""
+        It runs in the background: only a transfer that must know the answer waits for it."""
         if self._mailbox is None:
             return lambda: False
-        if self.rank == 0:
-            signature = encode_header([meta_of(batch[0])] if batch else [], self.device)
-        else:
-            signature = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self.device)
-        work = collective(
-            dist.broadcast, signature, src=self._global[0], group=self.group, async_op=True
-        )
+        signature = torch.zeros(HEADER_LENGTH, dtype=torch.int64)
+        if self.rank == 0 and batch:
+            signature = encode_header([meta_of(batch[0])], torch.device("cpu"))
+        mine = step_word(
+            training, self.progress.step, _batch_size(inputs), _batch_size(targets), failed,
+            signature,
+        ).to(self.device)  # fmt: skip
+        words = [torch.empty_like(mine) for _ in range(self.world_size)]
+        work = collective(dist.all_gather, words, mine, group=self.group, async_op=True)
         self._pending_collectives.append(work)
+        step = self.progress.step
 
         def changed() -> bool:
+            self.progress.wait_for(None, f"the agreement on step {step}")
             wait(work, None)
-            values = signature.tolist()
+            self.progress.done_waiting()
+            gathered = torch.stack(words).cpu()
+            culprits = failed_ranks(gathered)
+            if culprits and not failed:
+                recorded = self._guard.failure() if self._guard is not None else None
+                raise PipelineError(
+                    (recorded or f"rank {culprits[0]} could not start step {step}")
+                    + f"; rank {self.rank} stopped at the start of step {step}",
+                    rank=culprits[0],
+                )
+            values = check_step(gathered)
             new, self._last_signature = values != self._last_signature, values
             return new
 
         return changed
 
     def step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
-        """Run one step; return the loss (sum or mean over the microbatches) on every rank.
+        """Run one step; return the loss (mean or sum over the microbatches) on every rank.
 
         Under ``torch.no_grad()`` only the forwards run. Without targets (or a loss function) the
         last stage keeps its outputs for ``outputs()`` and the step returns None. Bad input raises
-        on the rank that got it before it communicates; the other ranks, already waiting for it,
-        then stop with a ``PipelineError`` that quotes it.
+        on the rank that got it before any boundary value moves; the other ranks stop with a
+        ``PipelineError`` that quotes it. Ranks that disagree on the step (grad mode, step count,
+        batch size) all stop with a ``MismatchError`` saying who differs.
         """
         training = torch.is_grad_enabled()
         program = self._program if training else self._forward_only()
         self._ops, self._outbox = program.ops, program.outbox
-        guard = self._guard
+        guard, progress = self._guard, self.progress
+        progress.step += 1
+        progress.in_step = True
         try:
             if guard is not None:
                 guard.enter_step()
-            batch, targets_by_microbatch = self._read_batch(program, training, inputs, targets)
+            try:
+                batch, targets_by_microbatch = self._read_batch(program, training, inputs, targets)
+                problem = None
+            except (TypeError, ValueError) as error:
+                batch, targets_by_microbatch, problem = None, [], error
+                if guard is not None:
+                    guard.record(
+                        f"rank {self.rank} could not start step {progress.step}: "
+                        f"{type(error).__name__}: {error}"
+                    )
+            agreed = self._agree(training, inputs, targets, batch, problem is not None)
+            if problem is not None:
+                with contextlib.suppress(Exception):
+                    agreed()  # the others are in the all-gather: complete it, then stop
+                raise problem
             m = self.schedule.num_microbatches
             scale = 1.0 / m if self.loss_reduction == "mean" else 1.0
             self._executor.begin_step(targets_by_microbatch, scale)
             if self._mailbox is not None:
-                self._mailbox.begin_step(program, self._signature(batch))
+                self._mailbox.begin_step(program, agreed)
             self._run(program, batch)
             if self._mailbox is not None:
                 self._mailbox.end_step()
+            progress.ops_done += 1
             for work in self._pending_collectives:
+                progress.wait_for(None, f"the agreement on step {progress.step}")
                 wait(work, None)
+            progress.done_waiting()
             self._executor.end_step()
             if training and self._mirror is not None and not self._emulated:
                 self._sum_copies()
@@ -319,10 +468,13 @@ class PipelineRunner:
         except BaseException as error:
             if guard is not None:
                 guard.record(
-                    f"rank {self.rank} failed in {self._describe()}: {type(error).__name__}: {error}"
+                    f"rank {self.rank} failed in step {progress.step} at {self._describe()}: "
+                    f"{type(error).__name__}: {error}"
                 )
             raise
         finally:
+            progress.in_step = False
+            progress.done_waiting()
             if guard is not None:
                 guard.leave_step()
             self._position = -1
@@ -348,6 +500,11 @@ class PipelineRunner:
             raise ValueError(
                 "record_timeline measures training steps; run step() with grad enabled"
             )
+        if len({_batch_size(inputs), _batch_size(targets)} - {-1}) > 1:
+            raise ValueError(
+                f"the inputs have a batch of {_batch_size(inputs)} but the targets of "
+                f"{_batch_size(targets)}: pass targets for the same samples as the inputs"
+            )
         batch = self._microbatches(inputs, "inputs") if needs_inputs else None
         split_targets: list[Any] = []
         if needs_targets and targets is not None:
@@ -362,25 +519,23 @@ class PipelineRunner:
         return self._forward_program
 
     def _peer_failure(self, lost: PeerLost) -> PipelineError:
+        """The story of a broken connection: the failure on record, or what the peer left."""
         guard = self._guard
         assert guard is not None
         recorded = None
         for _ in range(20):  # the failed rank may still be writing its own account
-            recorded = guard.failure()
+            recorded = guard.failure() or guard.explain_loss(lost.peer)
             if recorded is not None:
                 break
             time.sleep(0.1)
-        if recorded is None and lost.peer is not None:
-            recorded = guard.record(
-                f"rank {lost.peer} died while in {guard.last_action_of(lost.peer)} (its "
-                f"connection closed: {lost.reason})"
-            )
-        elif recorded is None:
-            recorded = guard.record(
-                f"a peer of rank {self.rank} closed its connection ({lost.reason})"
-            )
+        if recorded is None:
+            who = f"rank {lost.peer}" if lost.peer is not None else "a peer"
+            recorded = f"{who} closed its connection to rank {self.rank} ({lost.reason})"
+        recorded = guard.record(recorded)
         return PipelineError(
-            f"{recorded}; rank {self.rank} stopped in {self._describe()}", rank=lost.peer
+            f"{recorded}; rank {self.rank} stopped in step {self.progress.step} at "
+            f"{self._describe()}",
+            rank=lost.peer,
         )
 
     def _clock(self) -> float:
@@ -394,9 +549,12 @@ class PipelineRunner:
         executor, record = self._executor, self._record
         starts: list[float] = []
         ends: list[float] = []
+        progress = self.progress
         if record:
             if self.group is not None:
+                progress.wait_for(None, "the barrier that starts a recorded step")
                 collective(dist.barrier, group=self.group)
+                progress.done_waiting()
             origin = self._clock()
         clock = self._clock
         ops, mailbox, needs, depth = program.ops, self._mailbox, program.needs, self._prefetch
@@ -429,6 +587,7 @@ class PipelineRunner:
                     starts.append(clock() - origin)
                 outputs = (executor.backward(op, grads),)
             self._deliver(index, op, outputs)
+            progress.ops_done += 1
             if record:
                 ends.append(clock() - origin)
         self._times = (starts, ends) if record else None
@@ -468,12 +627,16 @@ class PipelineRunner:
 
     def _sum_copies(self) -> None:
         """Add up the gradients of DualPipe's two copies of each stage (this rank and its mirror)."""
+        mirror = self.world_size - 1 - self.rank
+        self.progress.wait_for(mirror, f"the sum of DualPipe's two copies with rank {mirror}")
         reduce_gradients(
             self.parameters(), lambda flat: collective(dist.all_reduce, flat, group=self._mirror)
         )
+        self.progress.done_waiting()
 
     def _total_loss(self) -> torch.Tensor | None:
-        """The step's loss on every rank: the loss ranks' sums and counts, added up everywhere."""
+        """The step's loss: the loss ranks' sums and counts, added up everywhere (or, with
+        ``loss_on_every_rank=False``, this rank's own share, None on ranks that compute none)."""
         if self._loss_fn is None:
             return None
         losses = self._executor.losses
@@ -481,8 +644,10 @@ class PipelineRunner:
         summary = torch.stack(
             [local.to(self.device), torch.tensor(float(len(losses)), device=self.device)]
         )
-        if self.group is not None:
+        if self.group is not None and self._loss_everywhere:
+            self.progress.wait_for(None, f"the loss all-reduce of step {self.progress.step}")
             collective(dist.all_reduce, summary, group=self.group)
+            self.progress.done_waiting()
         total, count = summary[0], int(summary[1])
         if count == 0:
             return None

@@ -1,0 +1,220 @@
+"""Faults injected into real process groups (gloo, spawned processes, and torchrun): whatever
+happens to a rank, every rank stops within a bounded time and says which rank and where.
+
+Times are bounds with wide margins (the machine may be loaded), measured from the moment the
+ranks start their runners, not from process start-up."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fault_workers as faults
+import pytest
+
+from cutpipe.runtime import LaunchError, launch, run
+
+ROOT = Path(__file__).parents[1]
+
+
+def seconds_of(text: str) -> float:
+    return float(re.search(r"after ([0-9.]+)s", text).group(1))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_failing_rank_stops_every_rank_naming_it(how):
+    outcomes = launch(faults.failing, 4, (how, 2, "1f1b"), timeout=120)
+    victim = outcomes[2]
+    if how == "kill":
+        assert victim.exitcode == -9 and "SIGKILL" in victim.reason
+    else:
+        assert victim.ok and victim.result.startswith("ValueError: boom")
+    for outcome in outcomes:
+        if outcome.rank == 2:
+            continue
+        assert outcome.ok, outcome.stderr
+        text = outcome.result
+        if how == "raise":
+            assert "rank 2 failed in step 1 at 2F" in text, text
+            assert "ValueError: boom in a stage module" in text
+        else:
+            assert "rank 2 died (last seen in step 1 at 2" in text, text
+        assert seconds_of(text) < 30, text
+
+
+@pytest.mark.timeout(180)
+def test_ranks_that_disagree_all_stop_with_one_message_naming_both_sides():
+    results = run(faults.mismatches, 2, timeout=150)
+    want = {
+        "schedules": "the ranks run different schedules: rank 0 runs 1f1b m=8 on 2 ranks, "
+        "rank 1 runs 1f1b m=4 on 2 ranks",
+        "names": "rank 0 runs 1f1b m=4 on 2 ranks, rank 1 runs zbh1 m=4 on 2 ranks",
+        "emulated": "rank 1 runs 1f1b m=4 on 2 ranks (emulated)",
+        "batch": "the ranks were given different batch sizes: rank 0 inputs of 8, rank 0 targets "
+        "of 8, rank 1 inputs of 12, rank 1 targets of 12",
+        "grad mode": "rank 0 a training step, rank 1 a forward-only step (torch.no_grad())",
+    }
+    for rank, outcomes in enumerate(results):
+        for case, message in want.items():
+            text = outcomes[case]
+            assert text.startswith("MismatchError"), (rank, case, text)
+            assert message in text, (rank, case, text)
+            assert seconds_of(text) < 30, (rank, case, text)
+        assert outcomes["agreed"] == "no error", outcomes["agreed"]
+
+
+@pytest.mark.timeout(180)
+def test_a_live_hang_stops_every_rank_within_the_step_timeout_naming_the_stuck_op():
+    step_timeout = 4.0
+    started = time.monotonic()
+    outcomes = launch(faults.hang, 3, (1, "loop", step_timeout), timeout=150, grace=10)
+    took = time.monotonic() - started
+    stuck = outcomes[1]
+    assert stuck.exitcode == 1, stuck
+    assert "rank 1 made no progress for" in stuck.stderr, stuck.stderr
+    assert (
+        "it is running 1F" in stuck.stderr and "of step 2, which has not returned" in stuck.stderr
+    )
+    for outcome in (outcomes[0], outcomes[2]):
+        text = outcome.result if outcome.ok else outcome.stderr
+        assert "rank 1 made no progress" in text, text
+        if outcome.ok:
+            assert text.startswith("PipelineError"), text
+            assert seconds_of(text) < step_timeout + 15, text
+    assert took < 120, took  # start-up included; the watchdog, not the deadline, ended it
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_holding_the_gil_shorter_than_the_step_timeout_is_not_declared_dead():
+    # the heartbeat stops for 8 s, four times dead_after: the host still sees a running process
+    results = run(faults.hang, 2, (1, "gil", 30.0), timeout=150)
+    for text in results:
+        assert text.startswith("finished"), text
+    assert results[0] == results[1]
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_rank_is_named_and_the_launcher_kills_it():
+    started = time.monotonic()
+    outcomes = launch(faults.frozen, 3, (1,), timeout=150, grace=5)
+    took = time.monotonic() - started
+    assert outcomes[1].exitcode == -signal.SIGKILL, outcomes[1]
+    assert outcomes[1].note.startswith("killed: still running 5 s after rank"), outcomes[1].note
+    for outcome in (outcomes[0], outcomes[2]):
+        text = outcome.result if outcome.ok else outcome.stderr
+        assert "rank 1 is frozen" in text and "is stopped (SIGSTOP" in text, text
+    assert took < 120, took
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_a_rank_that_fails_outside_its_ops_is_named_with_where_it_was(how):
+    outcomes = launch(faults.between_steps, 2, (1, how), timeout=150)
+    text = outcomes[0].result if outcomes[0].ok else outcomes[0].stderr
+    victim = outcomes[1]
+    if how == "raise":
+        assert "rank 1 raised ValueError: the data loader broke" in text, text
+        assert "between steps (after step 1)" in text, text
+        assert victim.exitcode == 1 and not victim.ok  # never "exit code 0"
+        assert victim.reason == "ValueError: the data loader broke"
+    else:
+        assert "rank 1 died (last seen in step 2" in text, text
+        assert "set-up" not in text
+        assert victim.exitcode == 3 and victim.reason == "its process exited with code 3"
+
+
+@pytest.mark.timeout(120)
+def test_the_launcher_returns_soon_after_a_failure_and_at_its_deadline():
+    started = time.monotonic()
+    outcomes = launch(faults.lingering, 2, timeout=100, grace=3)
+    assert time.monotonic() - started < 60
+    assert outcomes[0].exitcode == 1 and "rank 0 gives up" in outcomes[0].reason
+    assert outcomes[1].note == "killed: still running 3 s after rank 0 failed"
+    with pytest.raises(LaunchError, match="timed out after 4 s"):
+        run(faults.sleeping, 2, timeout=4)
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, frontier = set(), [pid]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            found.add(child)
+            frontier.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="reads the process tree from /proc")
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_to_cutpipe_train_stops_every_worker_quietly(signum, status):
+    command = [sys.executable, "-m", "cutpipe.cli.main", "train", "--schedule", "1f1b", "--nproc",
+               "2", "--emulate", "--steps", "100000", "--time-unit", "0.005"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers: set[int] = set()
+    deadline = time.monotonic() + 120
+    while len(workers) < 2 and time.monotonic() < deadline:  # the two ranks (and a helper)
+        time.sleep(0.5)
+        workers = {p for p in _descendants(process.pid) if "spawn_main" in _cmdline(p)}
+    assert len(workers) >= 2, "the workers never started"
+    time.sleep(2)
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == status, stderr
+    assert "Traceback" not in stderr, stderr
+    time.sleep(1)
+    assert not [p for p in workers if _alive(p)], "orphaned workers"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _torchrun(fault: str) -> tuple[subprocess.CompletedProcess, float]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "2", str(ROOT / "tests" / "fault_script.py"), fault]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=150, env=env)
+    return result, time.monotonic() - started
+
+
+@pytest.mark.timeout(600)
+def test_faults_under_torchrun_end_the_job_naming_the_rank():
+    result, _ = _torchrun("none")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("loss") == 3
+    expectations = {
+        "raise": "rank 1 failed in step 2 at 1F",
+        "hang": "rank 1 made no progress for",
+        "mismatch": "rank 0 runs 1f1b m=4 on 2 ranks, rank 1 runs 1f1b m=8 on 2 ranks",
+        "between": "ValueError: the data loader broke",
+    }
+    for fault, message in expectations.items():
+        result, took = _torchrun(fault)
+        output = result.stdout + result.stderr
+        assert result.returncode != 0, (fault, output[-3000:])
+        assert message in output, (fault, output[-3000:])
+        assert took < 100, (fault, took)
