@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 
 import torch
 from torch import nn
@@ -138,47 +137,6 @@ def _interleaved(trace: list[tuple[str, str]]) -> int:
             ):
                 count += 1
     return count
-
-
-def step_times(
-    rank: int, world: int, layout: tuple[int, int, int], rounds: int, m: int, sizes: dict
-) -> dict:
-    """DualPipeV with the overlap hook, without it, and with plain stages (the MoE's blocking
-    exchanges, no phases), in rotating order round after round: median step seconds of each,
-    and the median of each round's with/without ratio (neighbours in time share the noise)."""
-    pp, ep, dp = layout
-    mesh = build_mesh(pp, ep, dp, experts=4, top_k=2)
-    spec = ModelSpec(name="moe-timing", heads=2, vocab=64, experts=4, top_k=2, **sizes)
-    schedule = generate("dualpipev", pp, m)
-    held = schedule.placement.stages_of(mesh.pp_rank)
-    runners = {}
-    for mode in ("with", "without", "plain"):
-        model = shard_experts(language_model(spec, seed=4), mesh.ep_group)
-        if mode == "plain":
-            runners[mode] = PipelineRunner.from_sequential(
-                schedule, model, LanguageModelLoss(), group=mesh.pp_group
-            )
-            continue
-        stages = moe_stages(model, schedule.num_stages, held, overlap=mode == "with")
-        runners[mode] = PipelineRunner(schedule, stages, LanguageModelLoss(), group=mesh.pp_group)
-    x, y = tokens(m * spec.microbatch_size, spec)
-    seconds: dict[str, list[float]] = {mode: [] for mode in runners}
-    for round_ in range(rounds + 1):
-        order = list(runners)
-        for mode in order[round_ % 3 :] + order[: round_ % 3]:
-            torch.distributed.barrier()
-            began = time.perf_counter()
-            runners[mode].step(x, y)
-            torch.distributed.barrier()
-            if round_:  # the first round learns shapes
-                seconds[mode].append(time.perf_counter() - began)
-    for runner in runners.values():
-        runner.close()
-    ratios = [a / b for a, b in zip(seconds["with"], seconds["without"], strict=True)]
-    return {
-        **{mode: statistics.median(values) for mode, values in seconds.items()},
-        "ratio": statistics.median(ratios),
-    }
 
 
 def emulated_pairs(rank: int, world: int, layers: int, costs: dict, m: int) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import torch
 from torch import nn
@@ -11,6 +12,7 @@ from cutpipe import Costs, generate
 from cutpipe.models import mlp
 from cutpipe.runtime import PipelineError, PipelineRunner
 from cutpipe.sim import metrics, peak_activations, simulate
+from cutpipe.sim.fit import measured_delays, replayed
 
 
 def batch(
@@ -106,7 +108,8 @@ def shapes(rank: int, world: int) -> list[float]:
 
 
 def emulated(rank: int, world: int, cases: list[tuple[str, int]], unit: float) -> list[dict]:
-    """Time-emulated steps: the measured bubble beside the simulated one (gathered on rank 0)."""
+    """Time-emulated steps, gathered on rank 0: the measured bubble beside the simulator's, fed
+    the nominal costs and fed every op's measured duration."""
     results = []
     for name, m in cases:
         schedule = generate(name, world, m)
@@ -116,39 +119,72 @@ def emulated(rank: int, world: int, cases: list[tuple[str, int]], unit: float) -
         measured = runner.timeline()
         runner.close()
         if rank == 0:
-            predicted = metrics(simulate(schedule, costs), costs)
             observed = metrics(measured, costs)
+            delays = measured_delays(measured)
+            replay = replayed(measured, delays)
             results.append(
                 {
                     "case": f"{name} R={world} m={m}",
                     "measured": observed.bubble_ratio,
-                    "simulated": predicted.bubble_ratio,
-                    "measured_span": observed.bubble_ratio_span,
-                    "simulated_span": predicted.bubble_ratio_span,
+                    "replayed": metrics(replay, costs).bubble_ratio,
+                    "latency": delays.latency,
+                    "overhead": delays.overhead,
+                    "simulated": metrics(simulate(schedule, costs), costs).bubble_ratio,
+                    "makespan": measured.makespan,
+                    "replayed_makespan": replay.makespan,
                 }
             )
     return results
 
 
-def bad_inputs(rank: int, world: int, case: str) -> str:
-    """Each case breaks one rule; report what this rank raised."""
+def bad_inputs(rank: int, world: int, cases: list[str]) -> dict[str, str]:
+    """Each case breaks one rule; report what this rank raised. Cases that fail before any
+    boundary value moves leave every rank free to go on to the next one."""
     schedule = generate("1f1b", world, 4)
     model = mlp(blocks=4, width=8)
-    try:
-        if case == "ranks":
-            PipelineRunner.from_sequential(generate("1f1b", world + 1, 4), model, nn.MSELoss())
-        elif case == "modules":
-            PipelineRunner(schedule, {rank + 1: nn.Linear(8, 8)}, nn.MSELoss())
-        elif case == "batch":
-            runner = PipelineRunner.from_sequential(schedule, model, nn.MSELoss())
-            size = 7 if rank == 0 else 8
-            runner.step(torch.randn(size, 8), torch.randn(size, 8))
-        elif case == "loss":
-            runner = PipelineRunner.from_sequential(schedule, model, lambda out, t: (out - t) ** 2)
-            runner.step(torch.randn(8, 8), torch.randn(8, 8))
-        return "no error"
-    except (ValueError, PipelineError) as error:
-        return f"{type(error).__name__}: {error}"
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    outcomes = {}
+    for case in cases:
+        try:
+            if case == "ranks":
+                PipelineRunner.from_sequential(generate("1f1b", world + 1, 4), model, nn.MSELoss())
+            elif case == "modules":
+                PipelineRunner(schedule, {rank + 1: nn.Linear(8, 8)}, nn.MSELoss())
+            elif case == "not a module":
+                PipelineRunner(schedule, {rank: "a linear layer"}, nn.MSELoss())
+            elif case == "timeout":
+                PipelineRunner.from_sequential(schedule, model, step_timeout=float("nan"))
+            elif case == "local loss":  # not an error: the loss stays where it is computed
+                losses = []
+                for everywhere in (False, True):
+                    runner = PipelineRunner.from_sequential(
+                        schedule, model, nn.MSELoss(), loss_on_every_rank=everywhere
+                    )
+                    loss = runner.step(x, y)
+                    losses.append(None if loss is None else round(float(loss), 6))
+                    runner.close()
+                outcomes[case] = json.dumps(losses)
+                continue
+            else:
+                finite = case == "finite"
+                loss = (lambda out, t: (out - t) ** 2) if case == "loss" else nn.MSELoss()
+                runner = PipelineRunner.from_sequential(schedule, model, loss, check_finite=finite)
+                if case == "batch":
+                    size = 7 if rank == 0 else 8
+                    runner.step(torch.randn(size, 8), torch.randn(size, 8))
+                elif case == "empty":
+                    runner.step(torch.randn(0, 8) if rank == 0 else x, y)
+                elif case == "targets":
+                    runner.step(x, torch.randn(12, 8))
+                elif case == "finite":
+                    runner.step(torch.full((8, 8), float("nan")), y)
+                else:
+                    runner.step(x, y)
+                runner.close()
+            outcomes[case] = "no error"
+        except (ValueError, TypeError, FloatingPointError, PipelineError) as error:
+            outcomes[case] = f"{type(error).__name__}: {error}"
+    return outcomes
 
 
 class Recorded(nn.Module):

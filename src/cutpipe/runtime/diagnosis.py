@@ -72,13 +72,13 @@ def find_stall(start: int, beats: Mapping[int, Beat], timeout: float) -> Stall |
         if following is None:
             if beat.stalled < timeout:
                 return None
-            if beat.waiting_for is None:
-                what = f"it is running {beat.op} of step {beat.step}, which has not returned"
-            else:
-                what = (
-                    f"every rank waits for {beat.waiting_for} in step {beat.step} and it does not "
-                    "complete"
+            if beat.waiting_for is not None:
+                return Stall(
+                    rank,
+                    f"every rank has waited {beat.stalled:.0f} s for {beat.waiting_for} and it "
+                    "does not complete (the transport is broken)",
                 )
+            what = f"it is running {beat.op} of step {beat.step}, which has not returned"
             return Stall(
                 rank,
                 f"rank {rank} made no progress for {beat.stalled:.0f} s: {what}{_chain(path, beats)}",

@@ -500,17 +500,17 @@ class PipelineRunner:
             raise ValueError(
                 "record_timeline measures training steps; run step() with grad enabled"
             )
-        if len({_batch_size(inputs), _batch_size(targets)} - {-1}) > 1:
-            raise ValueError(
-                f"the inputs have a batch of {_batch_size(inputs)} but the targets of "
-                f"{_batch_size(targets)}: pass targets for the same samples as the inputs"
-            )
         batch = self._microbatches(inputs, "inputs") if needs_inputs else None
         split_targets: list[Any] = []
         if needs_targets and targets is not None:
             split_targets = self._microbatches(targets, "targets")
             if isinstance(targets, torch.Tensor):
                 split_targets = [t[0] for t in split_targets]
+        if len({_batch_size(inputs), _batch_size(targets)} - {-1}) > 1:
+            raise ValueError(
+                f"the inputs have a batch of {_batch_size(inputs)} but the targets of "
+                f"{_batch_size(targets)}: pass targets for the same samples as the inputs"
+            )
         return batch, split_targets
 
     def _forward_only(self) -> RankProgram:

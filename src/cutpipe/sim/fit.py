@@ -1,6 +1,6 @@
-"""A cost model read off a measured timeline: per stage, the median time of each kind of op.
+"""Simulations read off a measured timeline: per-stage median costs, or every op's own time.
 
-Simulating a schedule with these costs predicts its step with the measured op times and no
+Simulating a schedule with these predicts its step with the measured op times and no
 communication or runtime overhead; the gap to the measured timeline is what those add.
 """
 
@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 
 from cutpipe.schedule.actions import Kind, Overlap
+from cutpipe.schedule.codes import B_CODE, BW_CODE, F_CODE, KIND_BITS, KIND_MASK, W_CODE
+from cutpipe.schedule.validate import Timing, walk
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.timeline import Timeline
 
@@ -54,3 +57,101 @@ def fitted_costs(timeline: Timeline, base: Costs | None = None) -> Costs:
         activation=base.activation, w_memory=base.w_memory, params=base.params,
         p2p_bytes=base.p2p_bytes, ep_bytes=base.ep_bytes,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Delays:
+    """What a runtime adds to a schedule's ops, as means read off a measured timeline.
+
+    ``latency``: from an input being produced on another rank to the op that waited for it
+    starting (moving the value and waking the rank). ``overhead``: from a rank finishing one op
+    to starting the next when nothing was missing (posting receives, bookkeeping). On a loaded
+    machine both grow, unevenly (a rank that wakes up waits for a core, now and then): means,
+    not medians, because the step's idle time is their sum.
+    """
+
+    latency: float = 0.0
+    overhead: float = 0.0
+
+
+def replayed(timeline: Timeline, delays: Delays | None = None) -> Timeline:
+    """The simulator fed every op's own measured duration, plus ``delays``.
+
+    Whatever the machine did to the ops' lengths (a loaded core, a slow kernel), the replay
+    keeps; what it cannot contain is waiting beyond the schedule's own dependencies and the
+    typical delays. So a replay that predicts the measured step says the runtime waited for
+    nothing the schedule does not ask for.
+    """
+    delays = delays or Delays()
+    schedule = timeline.schedule
+    slots = schedule.num_stages * schedule.num_microbatches
+    tables = {kind: [0.0] * slots for kind in (F_CODE, B_CODE, W_CODE, BW_CODE)}
+    pairs: dict[tuple[int, int], float] = {}
+    split = schedule.codec.split_pair
+    for rank in range(timeline.num_ranks):
+        for code, start, end in zip(
+            schedule.codes[rank], timeline.starts[rank], timeline.ends[rank], strict=True
+        ):
+            took = end - start + delays.overhead
+            if code < 0:
+                pairs[split(code)] = took
+            else:
+                tables[code & KIND_MASK][code >> KIND_BITS] = took
+    timing = Timing(
+        tables[F_CODE], tables[B_CODE], tables[W_CODE], tables[BW_CODE],
+        lambda forward, backward: pairs[(forward, backward)], delays.latency,
+    )  # fmt: skip
+    result = walk(schedule, timing)
+    # the overhead is time before an op, idle as in the measurement, not part of the op
+    starts = [[start + delays.overhead for start in rank] for rank in result.starts]
+    return Timeline(schedule, starts, result.ends, unit=timeline.unit, source="replayed")
+
+
+def measured_delays(timeline: Timeline) -> Delays:
+    """The mean latency and overhead of ``timeline`` (see ``Delays``); zero where no op shows
+    one."""
+    schedule = timeline.schedule
+    S, codec = schedule.num_stages, schedule.codec
+    done: dict[int, tuple[int, float]] = {}  # op code -> (rank, end): what each op produced
+    for rank in range(timeline.num_ranks):
+        for code, end in zip(schedule.codes[rank], timeline.ends[rank], strict=True):
+            for half in codec.split_pair(code) if code < 0 else (code,):
+                done[half] = (rank, end)
+    latencies: list[float] = []
+    overheads: list[float] = []
+    for rank in range(timeline.num_ranks):
+        free = None  # when this rank finished its previous op
+        for code, start, end in zip(
+            schedule.codes[rank], timeline.starts[rank], timeline.ends[rank], strict=True
+        ):
+            ready = [
+                ended
+                for half in (codec.split_pair(code) if code < 0 else (code,))
+                for source, ended in (_producer(half, S, done),)
+                if source is not None and source != rank
+            ]
+            if ready and (free is None or max(ready) >= free):
+                latencies.append(max(0.0, start - max(ready)))
+            elif free is not None:
+                overheads.append(max(0.0, start - free))
+            free = end
+    return Delays(
+        statistics.fmean(latencies) if latencies else 0.0,
+        statistics.fmean(overheads) if overheads else 0.0,
+    )
+
+
+def _producer(
+    code: int, num_stages: int, done: dict[int, tuple[int, float]]
+) -> tuple[int | None, float]:
+    """(rank, end) of the op whose output ``code`` reads, or (None, 0) for a local input."""
+    slot, kind = code >> KIND_BITS, code & KIND_MASK
+    stage = slot % num_stages
+    if kind == F_CODE:
+        if stage == 0:
+            return None, 0.0
+        return done.get(((slot - 1) << KIND_BITS) | F_CODE, (None, 0.0))
+    if kind == W_CODE or stage == num_stages - 1:
+        return None, 0.0
+    above = (slot + 1) << KIND_BITS
+    return done.get(above | B_CODE) or done.get(above | BW_CODE) or (None, 0.0)
