@@ -44,6 +44,8 @@ def test_a_failing_rank_stops_every_rank_naming_it(how):
         else:
             assert "rank 2 died (last seen in step 1 at 2" in text, text
         assert seconds_of(text) < 30, text
+    slowest = max(seconds_of(o.result) for o in outcomes if o.rank != 2)
+    print(f"a rank that {how}s: every other rank stopped within {slowest:.1f} s")
 
 
 @pytest.mark.timeout(180)
@@ -65,6 +67,8 @@ def test_ranks_that_disagree_all_stop_with_one_message_naming_both_sides():
             assert message in text, (rank, case, text)
             assert seconds_of(text) < 30, (rank, case, text)
         assert outcomes["agreed"] == "no error", outcomes["agreed"]
+    slowest = max(seconds_of(o[case]) for o in results for case in want)
+    print(f"ranks that disagree: every rank stopped within {slowest:.1f} s")
 
 
 @pytest.mark.timeout(180)
@@ -85,6 +89,8 @@ def test_a_live_hang_stops_every_rank_within_the_step_timeout_naming_the_stuck_o
         if outcome.ok:
             assert text.startswith("PipelineError"), text
             assert seconds_of(text) < step_timeout + 15, text
+            print(f"a live hang (step_timeout {step_timeout:g} s): rank {outcome.rank} stopped "
+                  f"{seconds_of(text):.1f} s after its step began")  # fmt: skip
     assert took < 120, took  # start-up included; the watchdog, not the deadline, ended it
 
 
@@ -107,6 +113,9 @@ def test_a_frozen_rank_is_named_and_the_launcher_kills_it():
     for outcome in (outcomes[0], outcomes[2]):
         text = outcome.result if outcome.ok else outcome.stderr
         assert "rank 1 is frozen" in text and "is stopped (SIGSTOP" in text, text
+        if outcome.ok:
+            print(f"a frozen rank (dead_after 3 s): rank {outcome.rank} stopped "
+                  f"{seconds_of(text):.1f} s after its step began")  # fmt: skip
     assert took < 120, took
 
 
@@ -134,8 +143,9 @@ def test_the_launcher_returns_soon_after_a_failure_and_at_its_deadline():
     assert time.monotonic() - started < 60
     assert outcomes[0].exitcode == 1 and "rank 0 gives up" in outcomes[0].reason
     assert outcomes[1].note == "killed: still running 3 s after rank 0 failed"
-    with pytest.raises(LaunchError, match="timed out after 4 s"):
+    with pytest.raises(LaunchError) as failure:
         run(faults.sleeping, 2, timeout=4)
+    assert failure.value.summary == "timed out after 4 s: ranks 0, 1 were still running"
 
 
 def _descendants(pid: int) -> set[int]:
@@ -218,3 +228,16 @@ def test_faults_under_torchrun_end_the_job_naming_the_rank():
         assert result.returncode != 0, (fault, output[-3000:])
         assert message in output, (fault, output[-3000:])
         assert took < 100, (fault, took)
+
+
+@pytest.mark.timeout(120)
+def test_cutpipe_train_says_when_it_timed_out_in_one_line():
+    command = [sys.executable, "-m", "cutpipe.cli.main", "train", "--schedule", "1f1b", "--nproc",
+               "2", "--emulate", "--steps", "100000", "--time-unit", "0.005", "--timeout", "5"]  # fmt: skip
+    started = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=100)
+    assert time.monotonic() - started < 60
+    assert result.returncode == 1, result.stderr
+    first = result.stderr.splitlines()[0]
+    assert first == "cutpipe train: timed out after 5 s: ranks 0, 1 were still running", first
+    assert "Traceback" not in result.stderr

@@ -322,7 +322,12 @@ class Guard:
         os._exit(1)
 
     def _at_exit(self) -> None:
-        """The process is exiting without having closed its runner: say so, and why if known."""
+        """The process is exiting without having closed its runner: stop the watchdog thread (a
+        thread left inside a store call while the interpreter shuts down can abort the process)
+        and say why the rank is going, if known."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=2 * self._heartbeat)
         error = getattr(sys, "last_value", None)
         reason = f" with {type(error).__name__}: {error}" if error is not None else ""
         progress = self._progress

@@ -80,9 +80,16 @@ class LaunchError(RuntimeError):
     def summary(self) -> str:
         """One line: the rank that failed first in its own right, and why."""
         failed = [o for o in self.outcomes if not o.ok]
+        timed_out = [o for o in failed if (o.note or "").startswith("timed out")]
+        if timed_out and len(timed_out) == len(failed):
+            ranks = ", ".join(str(o.rank) for o in timed_out)
+            return f"{timed_out[0].note}: ranks {ranks} were still running"
         own = [o for o in failed if "PipelineError" not in o.reason] or failed
         first = own[0]
-        return f"rank {first.rank} failed: {first.reason} ({len(failed)} of {len(self.outcomes)} ranks failed)"
+        return (
+            f"rank {first.rank} failed: {first.reason} ({len(failed)} of {len(self.outcomes)} "
+            "ranks failed)"
+        )
 
 
 def _ending(outcome: Outcome) -> str:
