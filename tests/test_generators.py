@@ -43,8 +43,10 @@ def test_generators_accept_exactly_their_documented_range(name, ranks, m):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("bad", [1.5, "4", True, None])
 def test_non_integer_arguments_are_rejected(name, bad):
-    with pytest.raises(ValueError, match="must be an int"):
+    with pytest.raises(TypeError, match="ranks must be an int"):
         generate(name, bad, 8)
+    with pytest.raises(TypeError, match="microbatches must be an int"):
+        generate(name, 4, bad)
 
 
 def test_unknown_names_list_the_known_ones():

@@ -73,6 +73,10 @@ class SeedSetting:
     def check(self) -> None:
         """A ValueError saying what to change."""
         gpu(self.gpu)
+        if self.pp < 2:
+            raise ValueError(
+                f"the comparison runs pipelines: the pipeline size must be >= 2, got {self.pp}"
+            )
         if self.ep < 1 or (self.model.moe and self.model.experts % self.ep):
             raise ValueError(
                 f"expert-parallel size {self.ep} does not divide the {self.model.experts} "

@@ -13,7 +13,11 @@ import argparse
 import math
 from typing import Any
 
-from cutpipe.cli.common import print_json
+from cutpipe.cli.common import positive_float, positive_int, print_json, require_torch, whole
+from cutpipe.plan.recommend import MAX_DEVICES
+
+#: Local processes (PP x EP) the real runs start at most.
+MAX_PROCESSES = 64
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -27,18 +31,24 @@ def register(commands: argparse._SubParsersAction) -> None:
         description=__doc__.splitlines()[0],
     )  # fmt: skip
     real = moe.add_argument_group("real runs (this machine, gloo)")
-    real.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
-    real.add_argument("--ep", type=int, default=2, help="expert-parallel ranks (default 2)")
-    real.add_argument("--microbatches", "-m", type=int, default=8, help="per pipeline (default 8)")
-    real.add_argument("--steps", type=int, default=5, help="measured steps per schedule")
-    real.add_argument("--timeout", type=float, default=600.0, help="stop the processes after this")
+    real.add_argument("--pp", type=whole(1, MAX_PROCESSES), default=2,
+                      help="pipeline ranks (default 2)")  # fmt: skip
+    real.add_argument("--ep", type=whole(1, MAX_PROCESSES), default=2,
+                      help="expert-parallel ranks (default 2)")  # fmt: skip
+    real.add_argument("--microbatches", "-m", type=positive_int, default=8,
+                      help="per pipeline (default 8)")  # fmt: skip
+    real.add_argument("--steps", type=positive_int, default=5, help="measured steps per schedule")
+    real.add_argument("--timeout", type=positive_float, default=600.0,
+                      help="stop the processes after this many seconds")  # fmt: skip
     real.add_argument("--sim-only", action="store_true", help="skip the real runs")
     sim = moe.add_argument_group("simulation at the seed's scale")
     sim.add_argument("--gpu", default="A100", help="A100 (default), H100 or H200")
-    sim.add_argument("--devices", type=int, default=8, help="GPUs (default 8)")
-    sim.add_argument("--sim-pp", type=int, default=4, help="pipeline ranks (default 4)")
-    sim.add_argument("--sim-ep", type=int, default=2, help="expert-parallel ranks (default 2)")
-    sim.add_argument("--batch", type=int, default=1024, help="sequences per step (default 1024)")
+    sim.add_argument("--devices", type=whole(1, MAX_DEVICES), default=8, help="GPUs (default 8)")
+    sim.add_argument("--sim-pp", type=positive_int, default=4, help="pipeline ranks (default 4)")
+    sim.add_argument("--sim-ep", type=positive_int, default=2,
+                     help="expert-parallel ranks (default 2)")  # fmt: skip
+    sim.add_argument("--batch", type=positive_int, default=1024,
+                     help="sequences per step (default 1024)")  # fmt: skip
     sim.add_argument("--model", metavar="FILE", help="a model YAML/JSON (default: the seed's)")
     moe.add_argument("--json", action="store_true", help="print the figures as JSON")
     moe.set_defaults(run=run)
@@ -50,11 +60,12 @@ def _settings(args: argparse.Namespace) -> tuple[Any, Any]:
     from cutpipe.bench.simulated import SEED_MODEL, SeedSetting
     from cutpipe.plan.costs import ModelSpec
 
-    model = ModelSpec.load(args.model) if args.model else SEED_MODEL
+    model = ModelSpec.load(args.model) if args.model is not None else SEED_MODEL
     seed = SeedSetting(model, args.gpu, args.devices, args.sim_pp, args.sim_ep, args.batch)
     seed.check()
     real = RealSetting(pp=args.pp, ep=args.ep, microbatches=args.microbatches, steps=args.steps)
     if not args.sim_only:
+        require_torch()  # the real runs need it; --sim-only does not
         real.check()
     return seed, real
 

@@ -4,11 +4,113 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from cutpipe.files import check_output
 from cutpipe.schedule.registry import SCHEDULES
 from cutpipe.sim.costs import Costs
+
+#: A petabyte per device: more than any accelerator, small enough to stay finite in bytes.
+MAX_MEMORY_GB = 1e6
+
+
+def whole(least: int = 1, most: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number in [least, most], refused before any work."""
+
+    def parse(text: str) -> int:
+        bounds = f">= {least}" if most is None else f"between {least} and {most:,}"
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be a whole number {bounds}, got {text!r}"
+            ) from None
+        if value < least or (most is not None and value > most):
+            raise argparse.ArgumentTypeError(f"must be a whole number {bounds}, got {text!r}")
+        return value
+
+    parse.__name__ = "whole number"
+    return parse
+
+
+def real(
+    least: float = 0.0, most: float | None = None, *, exclusive: bool = True, unit: str = ""
+) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number above ``least`` (or from it, if not ``exclusive``).
+
+    NaN and infinities are refused, as is anything above ``most``.
+    """
+
+    def parse(text: str) -> float:
+        low = f"> {least:g}" if exclusive else f">= {least:g}"
+        bounds = low if most is None else f"{low} and <= {most:g}"
+        wanted = f"must be a finite number {bounds}{f' ({unit})' if unit else ''}, got {text!r}"
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(wanted) from None
+        too_low = value <= least if exclusive else value < least
+        if not math.isfinite(value) or too_low or (most is not None and value > most):
+            raise argparse.ArgumentTypeError(wanted)
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+#: A count of something that must exist at least once: ranks, microbatches, steps, devices.
+positive_int = whole(1)
+#: A duration or rate that must be above zero: timeouts, learning rates, time units.
+positive_float = real(0.0)
+
+
+def schedule_names(text: str) -> tuple[str, ...]:
+    """An argparse ``type``: comma-separated known schedule names, at least one."""
+    names = tuple(schedule_name(name) for name in text.split(",") if name.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"give at least one schedule: {', '.join(SCHEDULES)}")
+    return names
+
+
+def schedule_name(text: str) -> str:
+    """An argparse ``type``: one known schedule name."""
+    name = text.strip().lower()
+    if name not in SCHEDULES:
+        raise argparse.ArgumentTypeError(
+            f"unknown schedule {text!r}; known schedules: {', '.join(SCHEDULES)}"
+        )
+    return name
+
+
+class MissingTorch(ImportError):
+    """A command that needs PyTorch runs where PyTorch cannot be imported."""
+
+
+def missing_torch_message() -> str:
+    return (
+        "this command needs PyTorch, which is not installed: pip install torch "
+        "(or: pip install 'cutpipe[torch]')"
+    )
+
+
+def require_torch() -> None:
+    """A ``MissingTorch`` with the install command, before any work, if torch cannot load."""
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] != "torch":
+            raise
+        raise MissingTorch(missing_torch_message(), name="torch") from None
+    except ImportError as error:  # installed, but broken
+        raise MissingTorch(
+            f"this command needs PyTorch, which is installed but fails to import ({error}): "
+            "reinstall it: pip install --force-reinstall torch",
+            name="torch",
+        ) from None
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,20 +119,38 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
         "--schedule",
         "-s",
         required=True,
+        type=schedule_name,
         metavar="NAME",
         help=f"one of: {', '.join(SCHEDULES)}",
     )
-    parser.add_argument("--ranks", "-r", type=int, required=True, help="pipeline ranks (devices)")
     parser.add_argument(
-        "--microbatches", "-m", type=int, required=True, help="microbatches per step"
+        "--ranks", "-r", type=positive_int, required=True, help="pipeline ranks (devices)"
+    )
+    parser.add_argument(
+        "--microbatches", "-m", type=positive_int, required=True, help="microbatches per step"
     )
 
 
 def parse_costs(text: str) -> Costs:
+    """An argparse ``type``: ``Costs.parse``, its errors as usage errors."""
     try:
         return Costs.parse(text)
-    except ValueError as error:
+    except (TypeError, ValueError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def output_file(endings: tuple[str, ...] | None = None) -> Callable[[str], Path]:
+    """An argparse ``type``: a file that can be written (folder exists and is writable, and
+    the ending is one of ``endings``), checked before any work so no result is lost."""
+
+    def parse(text: str) -> Path:
+        try:
+            return check_output(text, endings)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    parse.__name__ = "output file"
+    return parse
 
 
 def add_costs_argument(parser: argparse.ArgumentParser, default: str, per: str) -> None:
@@ -45,8 +165,8 @@ def add_costs_argument(parser: argparse.ArgumentParser, default: str, per: str) 
 
 
 def print_json(data: Any) -> None:
-    json.dump(data, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    """Strict JSON on stdout: NaN and infinities are refused (the input checks exclude them)."""
+    sys.stdout.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
 
 
 def fmt(value: float | None, digits: int = 4) -> str:
@@ -68,7 +188,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, gpu_required: bool = Tr
     )
     parser.add_argument("--gpu", required=gpu_required, metavar="NAME", help="A100, H100 or H200")
     parser.add_argument(
-        "--memory-gb", type=float, metavar="G", help="memory per device (default: the GPU's)"
+        "--memory-gb",
+        type=real(0.0, MAX_MEMORY_GB, unit="GB per device"),
+        metavar="G",
+        help="memory per device (default: the GPU's)",
     )
 
 
@@ -77,17 +200,15 @@ def load_model_arguments(args: argparse.Namespace):
     from cutpipe.plan.costs import ModelSpec, gpu
     from cutpipe.plan.profile import Profile
 
-    if not args.model and not args.profile:
+    if args.model is None and args.profile is None:
         raise ValueError("give the model: --model FILE.yaml (or --profile FILE.json)")
-    profile = Profile.load(args.profile) if args.profile else None
-    model = ModelSpec.load(args.model) if args.model else profile.model
+    profile = Profile.load(args.profile) if args.profile is not None else None
+    model = ModelSpec.load(args.model) if args.model is not None else profile.model
     if profile is not None and profile.model != model:
         raise ValueError(
             f"{args.profile} was measured for model {profile.model.name!r}, not {model.name!r}: "
             "profile this model or drop --model"
         )
-    if args.memory_gb is not None and args.memory_gb <= 0:
-        raise ValueError(f"--memory-gb must be positive, got {args.memory_gb}")
-    hardware = gpu(args.gpu) if args.gpu else None
+    hardware = gpu(args.gpu) if args.gpu is not None else None
     memory = args.memory_gb * 1e9 if args.memory_gb is not None else None
     return model, hardware, profile, memory

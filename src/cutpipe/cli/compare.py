@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from cutpipe.cli.common import add_costs_argument, fmt, print_json
+from cutpipe.cli.common import (
+    add_costs_argument,
+    fmt,
+    positive_int,
+    print_json,
+    schedule_names,
+)
 from cutpipe.sim.compare import (
     DEFAULT_COSTS,
     DEFAULT_MICROBATCHES,
@@ -23,19 +29,20 @@ def register(commands: argparse._SubParsersAction) -> None:
         "(simulated beside the published form), activations, pipeline and EP traffic.",
     )
     parser.add_argument(
-        "--ranks", "-r", type=int, default=DEFAULT_RANKS, help="devices (default 8)"
+        "--ranks", "-r", type=positive_int, default=DEFAULT_RANKS, help="devices (default 8)"
     )
     parser.add_argument(
         "--microbatches",
         "-m",
-        type=int,
+        type=positive_int,
         default=DEFAULT_MICROBATCHES,
         help=f"microbatches per step (default {DEFAULT_MICROBATCHES})",
     )
     add_costs_argument(parser, "F=1,B=1,W=1,FB=2.5,ep_bytes=1", "device share (1F1B stage)")
     parser.add_argument(
         "--schedules",
-        default=",".join(SEED_SCHEDULES),
+        type=schedule_names,
+        default=SEED_SCHEDULES,
         help=f"comma-separated names (default {','.join(SEED_SCHEDULES)})",
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -43,8 +50,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    names = tuple(n.strip() for n in args.schedules.split(",") if n.strip())
-    rows = compare(args.ranks, args.microbatches, args.costs, names)
+    rows = compare(args.ranks, args.microbatches, args.costs, args.schedules)
     if args.json:
         print_json(
             [

@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cutpipe.cli.common import add_costs_argument
-from cutpipe.schedule.registry import SCHEDULES, generate, schedule_info
+from cutpipe.cli.common import add_costs_argument, output_file, schedule_name, schedule_names
+from cutpipe.schedule.registry import SCHEDULES, generate
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.simulate import simulate
 from cutpipe.sim.timeline import Timeline
+from cutpipe.viz.scene import MAX_BOXES, MAX_IMAGE_BOXES, check_boxes
 
 FORMATS = (".png", ".svg", ".html", ".json")
 
@@ -24,9 +25,18 @@ def register(commands: argparse._SubParsersAction) -> None:
         description=__doc__.splitlines()[0],
     )  # fmt: skip
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--schedule", "-s", metavar="NAME", help=f"one of: {', '.join(SCHEDULES)}")
     what.add_argument(
-        "--compare", metavar="A,B,...", help="several schedules stacked on one time axis"
+        "--schedule",
+        "-s",
+        type=schedule_name,
+        metavar="NAME",
+        help=f"one of: {', '.join(SCHEDULES)}",
+    )
+    what.add_argument(
+        "--compare",
+        type=schedule_names,
+        metavar="A,B,...",
+        help="several schedules stacked on one time axis",
     )
     what.add_argument(
         "--timeline",
@@ -43,7 +53,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--vs-sim", action="store_true",
                         help="with --timeline: overlay the simulator's prediction from the measured op times")  # fmt: skip
     parser.add_argument(
-        "--output", "-o", required=True, metavar="FILE", help=f"ending: {', '.join(FORMATS)}"
+        "--output",
+        "-o",
+        required=True,
+        type=output_file(FORMATS),
+        metavar="FILE",
+        help=f"ending: {', '.join(FORMATS)}",
     )
     parser.set_defaults(run=run)
 
@@ -54,7 +69,9 @@ def _per_schedule(value: str | None, count: int, name: str) -> list[int]:
     try:
         numbers = [int(v) for v in value.split(",")]
     except ValueError:
-        raise ValueError(f"--{name} takes integers separated by commas, got {value!r}") from None
+        numbers = []
+    if not numbers or any(n < 1 for n in numbers):
+        raise ValueError(f"--{name} takes whole numbers >= 1 separated by commas, got {value!r}")
     if len(numbers) == 1:
         return numbers * count
     if len(numbers) != count:
@@ -64,18 +81,42 @@ def _per_schedule(value: str | None, count: int, name: str) -> list[int]:
     return numbers
 
 
+def _limit(suffix: str) -> tuple[int, str]:
+    """The most boxes a picture of this format may hold, and what to call it."""
+    if suffix in (".png", ".svg"):
+        return MAX_IMAGE_BOXES, "a PNG or SVG image"
+    return MAX_BOXES, "a picture"
+
+
+def _simulated(args: argparse.Namespace, costs: Costs, suffix: str) -> list[Timeline]:
+    """The schedules asked for, simulated; the picture's size is checked before simulating."""
+    if args.vs_sim:
+        raise ValueError(
+            "--vs-sim overlays a simulation on a measured timeline: use it with --timeline"
+        )
+    names = [args.schedule] if args.schedule else list(args.compare)
+    ranks = _per_schedule(args.ranks, len(names), "ranks")
+    microbatches = _per_schedule(args.microbatches, len(names), "microbatches")
+    limit, what = _limit(suffix)
+    schedules, ops = [], 0
+    for name, r, m in zip(names, ranks, microbatches, strict=True):
+        schedules.append(generate(name, r, m))
+        ops += schedules[-1].num_ops
+        check_boxes(ops, limit, what)
+    return [simulate(schedule, costs) for schedule in schedules]
+
+
 def run(args: argparse.Namespace) -> int:
     from cutpipe.viz import scene
 
-    output = Path(args.output)
-    if output.suffix.lower() not in FORMATS:
-        raise ValueError(
-            f"cannot write {output.suffix or 'a file without an ending'}: use one of {', '.join(FORMATS)}"
-        )
-    costs: Costs = args.costs or Costs()
+    output: Path = args.output
+    suffix = output.suffix.lower()
+    costs: Costs = args.costs
     ghosts = None
-    if args.timeline:
+    if args.timeline is not None:
         timeline = Timeline.load(args.timeline)
+        limit, what = _limit(suffix)
+        check_boxes(timeline.schedule.num_ops * (2 if args.vs_sim else 1), limit, what)
         timelines, per_costs = [timeline], [costs]
         if args.vs_sim:
             from cutpipe.sim.fit import fitted_costs
@@ -84,26 +125,9 @@ def run(args: argparse.Namespace) -> int:
             ghosts = [simulate(timeline.schedule, fitted)]
             per_costs = [fitted]
     else:
-        if args.vs_sim:
-            raise ValueError(
-                "--vs-sim overlays a simulation on a measured timeline: use it with --timeline"
-            )
-        names = (
-            [args.schedule]
-            if args.schedule
-            else [n.strip() for n in args.compare.split(",") if n.strip()]
-        )
-        for name in names:
-            schedule_info(name)
-        ranks = _per_schedule(args.ranks, len(names), "ranks")
-        microbatches = _per_schedule(args.microbatches, len(names), "microbatches")
-        timelines = [
-            simulate(generate(n, r, m), costs)
-            for n, r, m in zip(names, ranks, microbatches, strict=True)
-        ]
+        timelines = _simulated(args, costs, suffix)
         per_costs = [costs] * len(timelines)
     drawing = scene(timelines, per_costs, ghosts)
-    suffix = output.suffix.lower()
     if suffix in (".png", ".svg"):
         from cutpipe.viz import png
 

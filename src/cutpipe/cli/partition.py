@@ -8,6 +8,7 @@ from cutpipe.cli.common import (
     add_model_arguments,
     add_shape_arguments,
     load_model_arguments,
+    positive_int,
     print_json,
 )
 from cutpipe.plan.costs import model_items, p2p_time, w_memory
@@ -26,7 +27,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     add_shape_arguments(parser)
     add_model_arguments(parser)
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    parser.add_argument(
+        "--ep", type=positive_int, default=1, help="expert-parallel size (MoE models)"
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(run=run)
 
@@ -42,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     )
     comm = p2p_time(model, hardware, within_node=args.ranks <= hardware.gpus_per_node)
     kept = profile.w_memory if profile else w_memory(model)
-    cap = (memory or hardware.memory) * USABLE_MEMORY
+    cap = (hardware.memory if memory is None else memory) * USABLE_MEMORY
     best = balance(schedule, items, comm, kept, cap)
     even = evaluate(schedule, items, even_sizes(items, schedule.num_stages), comm, kept)
     gain = 1 - best.step_time / even.step_time

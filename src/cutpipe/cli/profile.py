@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import re
 
-from cutpipe.cli.common import print_json
+from cutpipe.cli.common import output_file, print_json, require_torch, whole
 from cutpipe.plan.costs import ModelSpec
 from cutpipe.plan.profile import DTYPES
+
+#: Timed or warm-up rounds: each builds and runs every item of the model once.
+MAX_ROUNDS = 1000
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -19,26 +23,52 @@ def register(commands: argparse._SubParsersAction) -> None:
         "with --profile.",
     )
     parser.add_argument("--model", required=True, metavar="FILE", help="model (YAML or JSON)")
-    parser.add_argument("-o", "--output", required=True, metavar="FILE", help="profile to write")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("-o", "--output", required=True, type=output_file(), metavar="FILE",
+                        help="profile to write")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        type=device_name,
+        default=None,
+        help="cpu, cuda or cuda:N (default: cuda if present)",
+    )
     parser.add_argument(
         "--dtype", choices=tuple(DTYPES), help="default: fp32 on CPU, the model's on GPU"
     )
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument("--repeats", type=whole(1, MAX_ROUNDS), default=3,
+                        help="timed rounds (median)")  # fmt: skip
+    parser.add_argument("--warmup", type=whole(0, MAX_ROUNDS), default=1,
+                        help="untimed rounds first")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="also print the profile")
     parser.set_defaults(run=run)
 
 
+def device_name(text: str) -> str:
+    """An argparse ``type``: cpu, cuda or cuda:N."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text.strip()):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    return text.strip()
+
+
 def run(args: argparse.Namespace) -> int:
+    model = ModelSpec.load(args.model)
+    require_torch()
     import torch
 
-    from cutpipe.plan.measure import measure  # imports torch
+    from cutpipe.plan.measure import check_fits, measure  # imports torch
 
-    model = ModelSpec.load(args.model)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda asked for, but this machine has no usable GPU")
+    device = args.device
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda asked for, but this machine has no usable GPU")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s), "
+                f"numbered from 0"
+            )
+    check_fits(model, device, args.dtype)
     profile = measure(model, device, args.dtype, args.repeats, args.warmup)
     profile.save(args.output)
     if args.json:

@@ -5,8 +5,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from cutpipe.cli.common import add_model_arguments, load_model_arguments, print_json
-from cutpipe.plan.recommend import DEFAULT_SCHEDULES, reason, recommend
+from cutpipe.cli.common import (
+    add_model_arguments,
+    load_model_arguments,
+    positive_int,
+    print_json,
+    schedule_names,
+    whole,
+)
+from cutpipe.plan.recommend import DEFAULT_SCHEDULES, MAX_DEVICES, reason, recommend
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -16,28 +23,33 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="Enumerate pipeline x data x expert parallel layouts of the devices and every "
         "schedule that fits in memory, simulate each step, and print the fastest few.",
     )
-    parser.add_argument("--devices", "-n", type=int, required=True, help="number of GPUs")
+    parser.add_argument(
+        "--devices", "-n", type=whole(1, MAX_DEVICES), required=True, help="number of GPUs"
+    )
     add_model_arguments(parser)
     parser.add_argument(
-        "--global-batch", type=int, metavar="B", help="sequences per step (default: 8 per device)"
+        "--global-batch",
+        type=positive_int,
+        metavar="B",
+        help="sequences per step (default: 8 per device)",
     )
     parser.add_argument(
         "--schedules",
-        default=",".join(DEFAULT_SCHEDULES),
-        help="comma-separated schedules to consider (default: %(default)s)",
+        type=schedule_names,
+        default=DEFAULT_SCHEDULES,
+        help=f"comma-separated schedules to consider (default: {','.join(DEFAULT_SCHEDULES)})",
     )
-    parser.add_argument("--top", type=int, default=8, help="how many plans to print")
+    parser.add_argument("--top", type=positive_int, default=8, help="how many plans to print")
     parser.add_argument("--json", action="store_true", help="print the plans as JSON")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     model, hardware, profile, memory = load_model_arguments(args)
-    if args.global_batch is not None and args.global_batch < 1:
-        raise ValueError(f"--global-batch must be >= 1, got {args.global_batch}")
-    schedules = [name.strip() for name in args.schedules.split(",") if name.strip()]
-    plans = recommend(model, hardware, args.devices, args.global_batch, memory, schedules, profile)
-    shown = plans[: max(1, args.top)]
+    plans = recommend(
+        model, hardware, args.devices, args.global_batch, memory, list(args.schedules), profile
+    )
+    shown = plans[: args.top]
     if args.json:
         print_json({"plans": [asdict(plan) for plan in shown], "reason": reason(plans, hardware)})
         return 0

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import argparse
 
-from cutpipe.cli.common import add_costs_argument, add_shape_arguments, fmt, print_json
+from cutpipe.cli.common import (
+    add_costs_argument,
+    add_shape_arguments,
+    fmt,
+    output_file,
+    print_json,
+)
 from cutpipe.schedule.registry import generate
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
+
+#: Ranks the per-rank table shows (a terminal table of thousands of rows helps nobody and takes
+#: seconds to lay out); ``--json`` lists every rank.
+MAX_RANK_ROWS = 256
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -20,7 +30,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_shape_arguments(parser)
     add_costs_argument(parser, "", "stage of this schedule")
     parser.add_argument("--json", action="store_true", help="print the metrics as JSON")
-    parser.add_argument("--timeline", metavar="FILE", help="also write the timeline as JSON")
+    parser.add_argument(
+        "--timeline", type=output_file(), metavar="FILE", help="also write the timeline as JSON"
+    )
     parser.set_defaults(run=run)
 
 
@@ -28,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     schedule = generate(args.schedule, args.ranks, args.microbatches)
     timeline = simulate(schedule, args.costs)
     result = metrics(timeline, args.costs)
-    if args.timeline:
+    if args.timeline is not None:
         timeline.save(args.timeline)
     if args.json:
         print_json(result.to_dict())
@@ -54,7 +66,12 @@ def run(args: argparse.Namespace) -> int:
     ):
         summary.add_row(label, value)
     per_rank = Table("rank", "busy", "idle", "span", "peak activations", "params (share)")
-    for r in range(result.ranks):
+    shown = min(result.ranks, MAX_RANK_ROWS)
+    if shown < result.ranks:
+        per_rank.caption = (
+            f"ranks {shown}..{result.ranks - 1} left out of this table: --json lists every rank"
+        )
+    for r in range(shown):
         per_rank.add_row(
             str(r),
             fmt(result.busy_per_rank[r]),

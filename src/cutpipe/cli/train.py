@@ -10,12 +10,29 @@ simulator's; ``--trace FILE`` writes the last step's measured timeline (for ``cu
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from typing import Any
 
-from cutpipe.cli.common import fmt, parse_costs
+from cutpipe.cli.common import (
+    fmt,
+    output_file,
+    parse_costs,
+    positive_float,
+    positive_int,
+    real,
+    require_torch,
+    schedule_name,
+    whole,
+)
 from cutpipe.schedule.registry import SCHEDULES, generate, schedule_info
+
+#: Local processes ``train`` starts at most: more only oversubscribe the machine's cores.
+MAX_PROCESSES = 64
+#: Numbers the built-in model and its data may hold (weights and one batch): 1 GiB of fp32.
+MAX_MODEL_ELEMENTS = 2**28
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -23,60 +40,69 @@ def register(commands: argparse._SubParsersAction) -> None:
         "train", help="run a schedule on local processes with the built-in model",
         description=__doc__.splitlines()[0],
     )  # fmt: skip
-    parser.add_argument(
-        "--schedule", "-s", required=True, metavar="NAME", help=f"one of: {', '.join(SCHEDULES)}"
-    )
-    parser.add_argument(
-        "--nproc", "-n", type=int, required=True, help="pipeline ranks (local processes)"
-    )
-    parser.add_argument(
-        "--microbatches", "-m", type=int, help="default: the schedule's minimum, at least 2 x nproc"
-    )
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--batch", type=int, help="samples per step (default: 8 per microbatch)")
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument(
-        "--blocks", type=int, help="Linear+tanh blocks (default: 16, or one per stage)"
-    )
-    parser.add_argument("--lr", type=float, default=1.0)
+    parser.add_argument("--schedule", "-s", required=True, type=schedule_name, metavar="NAME",
+                        help=f"one of: {', '.join(SCHEDULES)}")  # fmt: skip
+    parser.add_argument("--nproc", "-n", type=whole(1, MAX_PROCESSES), required=True,
+                        help=f"pipeline ranks (local processes, at most {MAX_PROCESSES})")  # fmt: skip
+    parser.add_argument("--microbatches", "-m", type=positive_int,
+                        help="default: the schedule's minimum, at least 2 x nproc")  # fmt: skip
+    parser.add_argument("--steps", type=positive_int, default=10)
+    parser.add_argument("--batch", type=positive_int,
+                        help="samples per step (default: 8 per microbatch)")  # fmt: skip
+    parser.add_argument("--width", type=positive_int, default=128)
+    parser.add_argument("--blocks", type=positive_int,
+                        help="Linear+tanh blocks (default: 16, or one per stage)")  # fmt: skip
+    parser.add_argument("--lr", type=positive_float, default=1.0)
     parser.add_argument(
         "--emulate", action="store_true", help="sleep for each op's cost instead of computing"
     )
     parser.add_argument("--costs", type=parse_costs, default=None, metavar="K=V,...",
                         help="per-stage costs for --emulate (default F=B=W=1)")  # fmt: skip
-    parser.add_argument(
-        "--time-unit", type=float, default=0.02, help="seconds per cost unit with --emulate"
-    )
-    parser.add_argument(
-        "--trace", metavar="FILE", help="write the last step's measured timeline as JSON"
-    )
+    parser.add_argument("--time-unit", type=positive_float, default=0.02,
+                        help="seconds per cost unit with --emulate")  # fmt: skip
+    parser.add_argument("--trace", type=output_file(), metavar="FILE",
+                        help="write the last step's measured timeline as JSON")  # fmt: skip
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    parser.add_argument(
-        "--timeout", type=float, default=600.0, help="stop every process after this long"
-    )
+    parser.add_argument("--timeout", type=positive_float, default=600.0,
+                        help="stop every process after this long (seconds)")  # fmt: skip
+    parser.add_argument("--step-timeout", type=real(1.0, exclusive=False, unit="seconds"), default=60.0, metavar="SECONDS",
+                        help="stop every rank when one completes no op for this long "
+                        "(default 60, at least 1)")  # fmt: skip
     parser.set_defaults(run=run)
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """Every setting checked (and torch found) before any process starts."""
     info = schedule_info(args.schedule)
     ranks = args.nproc
-    m = args.microbatches or max(2 * ranks, info.min_microbatches(ranks))
+    m = args.microbatches
+    if m is None:
+        m = max(2 * ranks, info.min_microbatches(ranks))
     schedule = generate(args.schedule, ranks, m)  # checks the shape before any process starts
-    blocks = args.blocks or max(16, schedule.num_stages)
+    blocks = max(16, schedule.num_stages) if args.blocks is None else args.blocks
     if blocks < schedule.num_stages:
         raise ValueError(
             f"--blocks {blocks} cannot fill {schedule.num_stages} stages: use at least that many"
         )
-    batch = args.batch or 8 * m
+    batch = 8 * m if args.batch is None else args.batch
     if batch % m:
         raise ValueError(
             f"--batch {batch} does not split into {m} microbatches: use a multiple of {m}"
         )
+    if not args.emulate:
+        elements = blocks * args.width**2 + 2 * batch * args.width
+        if elements > MAX_MODEL_ELEMENTS:
+            raise ValueError(
+                f"the built-in model and data hold {elements:,} numbers ({blocks} blocks of "
+                f"{args.width} x {args.width}, a batch of {batch} x {args.width}), over the limit "
+                f"of {MAX_MODEL_ELEMENTS:,} (1 GiB of fp32): use a smaller --width, --blocks or --batch"
+            )
+    require_torch()
     return {
         "schedule": args.schedule, "microbatches": m, "steps": args.steps, "batch": batch,
         "width": args.width, "blocks": blocks, "lr": args.lr, "emulate": args.emulate,
         "costs": args.costs, "time_unit": args.time_unit, "trace": args.trace,
-        "backend": args.backend,
+        "backend": args.backend, "step_timeout": args.step_timeout,
     }  # fmt: skip
 
 
@@ -98,14 +124,15 @@ def train_rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]
     if options["emulate"]:
         costs = options["costs"] or Costs()
         runner = PipelineRunner(
-            schedule, None, emulate=costs, time_unit=options["time_unit"], record_timeline=True
-        )
+            schedule, None, emulate=costs, time_unit=options["time_unit"], record_timeline=True,
+            step_timeout=options["step_timeout"],
+        )  # fmt: skip
         optimizer = None
         x = y = None
     else:
         model = mlp(options["blocks"], options["width"], seed=0).to(device)
-        runner = PipelineRunner.from_sequential(schedule, model, nn.MSELoss(), loss_reduction="mean",
-                                                record_timeline=record)  # fmt: skip
+        runner = PipelineRunner.from_sequential(schedule, model, nn.MSELoss(), record_timeline=record,
+                                                step_timeout=options["step_timeout"])  # fmt: skip
         parameters = runner.parameters()
         optimizer = torch.optim.SGD(parameters, lr=options["lr"])
         generator = torch.Generator().manual_seed(1)
@@ -168,7 +195,13 @@ def run(args: argparse.Namespace) -> int:
         train_rank, args.nproc, (options,), backend=args.backend, timeout=args.timeout
     )
     if not all(o.ok for o in outcomes):
-        raise ValueError(str(LaunchError(outcomes)))
+        failure = LaunchError(outcomes)
+        print(f"cutpipe train: {failure.summary}", file=sys.stderr)
+        if getattr(args, "debug", False) or os.environ.get("CUTPIPE_DEBUG") == "1":
+            print(failure, file=sys.stderr)
+        else:
+            print("cutpipe train: run with --debug for every rank's log", file=sys.stderr)
+        return 1
     first = outcomes[0].result
     console = Console()
     steady = first["seconds"][1:] or first["seconds"]

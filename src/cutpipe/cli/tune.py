@@ -5,12 +5,20 @@ from __future__ import annotations
 import argparse
 import json
 from contextlib import suppress
-from pathlib import Path
 
-from cutpipe.cli.common import add_costs_argument, fmt, print_json
+from cutpipe.cli.common import (
+    add_costs_argument,
+    fmt,
+    output_file,
+    positive_int,
+    print_json,
+    real,
+)
+from cutpipe.files import write_text
 from cutpipe.plan.bounds import v_bubble_lower_bound
 from cutpipe.plan.scheduler import FIXED, cost_aware, default_cap
 from cutpipe.schedule.registry import schedule_info
+from cutpipe.sim.costs import MAX_COST
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
 
@@ -28,28 +36,29 @@ def register(commands: argparse._SubParsersAction) -> None:
         "for the given costs, under a per-rank activation cap, and compare with the fixed orders.",
     )
     parser.add_argument("--placement", choices=("linear", "v"), default="v")
-    parser.add_argument("--ranks", "-r", type=int, required=True, help="pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=int, required=True)
+    parser.add_argument("--ranks", "-r", type=positive_int, required=True, help="pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=positive_int, required=True)
     add_costs_argument(parser, "", "stage (a V stage is half a rank's layers)")
     parser.add_argument(
         "--memory-cap",
-        type=float,
+        type=real(0.0, MAX_COST, unit="stage activations"),
         metavar="A",
         help="activations a rank may hold, in units of one stage's (default: 1F1B's peak, "
         "R units on a linear placement and 2R on a V)",
     )
     parser.add_argument("--objective", choices=tuple(OBJECTIVES), default="makespan",
                         help="what to minimise: the step (makespan) or the span bubble")  # fmt: skip
-    parser.add_argument("--seconds", type=float, default=1.0, help="local-search budget")
-    parser.add_argument("-o", "--output", metavar="FILE", help="write the schedule as JSON")
+    parser.add_argument("--seconds", type=real(0.0, exclusive=False, unit="seconds"),
+                        default=1.0, help="local-search budget")  # fmt: skip
+    parser.add_argument(
+        "-o", "--output", type=output_file(), metavar="FILE", help="write the schedule as JSON"
+    )
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     costs, R, m = args.costs, args.ranks, args.microbatches
-    if R < 1 or m < 1:
-        raise ValueError(f"--ranks and --microbatches must be >= 1, got {R} and {m}")
     tuned = cost_aware(args.placement, R, m, costs, args.memory_cap, OBJECTIVES[args.objective],
                        args.seconds)  # fmt: skip
     rows = [(tuned.name, metrics(simulate(tuned, costs), costs))]
@@ -63,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
     if args.placement == "v":
         with suppress(ValueError):  # per-stage costs, all-to-alls: the bound does not cover them
             floor = v_bubble_lower_bound(R, m, costs, cap)
-    if args.output:
-        Path(args.output).write_text(json.dumps(tuned.to_dict()) + "\n")
+    if args.output is not None:
+        write_text(args.output, json.dumps(tuned.to_dict(), allow_nan=False) + "\n")
     if args.json:
         report = {name: result.to_dict() for name, result in rows}
         if floor is not None:

@@ -35,6 +35,8 @@ def v_span_lower_bound(ranks: int, microbatches: int, costs: Costs, cap: float) 
     """
     if ranks < 1 or microbatches < 1:
         raise ValueError(f"need ranks >= 1 and microbatches >= 1, got {ranks} and {microbatches}")
+    if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
+        raise ValueError(f"cap must be a positive finite number of activations, got {cap!r}")
     S = 2 * ranks
     f, b, w = (_uniform(costs, name, S) for name in ("f", "b", "w"))
     activation = _uniform(costs, "activation", S)

@@ -59,6 +59,10 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 STATE_BYTES_PER_PARAMETER = 16
+#: Far above any real model, low enough that the planner's per-layer lists stay small and the
+#: cost formulas (products of up to four sizes) stay finite.
+MAX_LAYERS = 10_000
+MAX_SIZE = 2**40
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 
 
@@ -85,6 +89,14 @@ class ModelSpec:
     flash_attention: bool = True
 
     def __post_init__(self) -> None:
+        counts = [f.name for f in fields(self) if f.type == "int"]
+        wrong = [
+            f"{n} must be a whole number, got {getattr(self, n)!r}"
+            for n in counts
+            if isinstance(getattr(self, n), bool) or not isinstance(getattr(self, n), int)
+        ]
+        if wrong:
+            raise TypeError(f"model {self.name!r}: " + "; ".join(wrong))
         problems = []
         for name in (
             "layers",
@@ -101,6 +113,13 @@ class ModelSpec:
         for name in ("experts", "shared_experts", "dense_layers", "dense_ffn", "kv_heads"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.layers > MAX_LAYERS:
+            problems.append(f"layers must be at most {MAX_LAYERS:,}, got {self.layers:,}")
+        problems += [
+            f"{name} must be at most {MAX_SIZE:,}, got {getattr(self, name):,}"
+            for name in counts
+            if getattr(self, name) > MAX_SIZE
+        ]
         if self.hidden % self.heads:
             problems.append(f"hidden {self.hidden} must be a multiple of heads {self.heads}")
         if self.experts and self.top_k > self.experts:

@@ -12,6 +12,7 @@ bf16 model).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from cutpipe.plan.costs import ItemCost, ModelSpec
+from cutpipe.plan.costs import DTYPE_BYTES, GPUS, ItemCost, ModelSpec, model_items
 from cutpipe.plan.profile import DTYPES, Profile
 from cutpipe.runtime.split import WeightGradients, WeightSplitter
 
@@ -97,6 +98,40 @@ def _measure_item(
         expert_parameters=float(sum(p.numel() for p in experts.parameters())) if experts else 0.0,
     )
     return item, (kept_bytes / saved_bytes if saved_bytes else 0.0)
+
+
+def _free_bytes(device: torch.device) -> float:
+    """Memory this process could still allocate on ``device``."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def check_fits(model: ModelSpec, device: str = "cpu", dtype: str | None = None) -> None:
+    """A ValueError, before anything is built, if one of each item of ``model`` (what
+    ``measure`` holds at once) cannot fit in the memory ``device`` has free.
+
+    The estimate: parameters, their gradients and the deferred weight gradients of every kind
+    of item, plus twice the largest activation, in the dtype the measurement runs in.
+    """
+    target = torch.device(device)
+    name = dtype or ("fp32" if target.type == "cpu" else model.dtype)
+    size = DTYPE_BYTES.get(name, 4)
+    items = model_items(model, GPUS["A100"])  # sizes only: the hardware does not matter
+    kinds = {"embedding": items[0], "head": items[-1]}
+    for item in items[1:-1]:
+        kinds.setdefault("moe_layer" if item.expert_parameters else "dense_layer", item)
+    scale = size / model.element_bytes
+    need = 3 * size * sum(i.parameters for i in kinds.values()) + 2 * scale * max(
+        i.activation for i in kinds.values()
+    )
+    free = _free_bytes(target)
+    if need > 0.8 * free:
+        raise ValueError(
+            f"profiling {model.name} builds one of each of its items ({', '.join(kinds)}) on "
+            f"{target}, which needs about {need / 1e9:.1f} GB; {free / 1e9:.1f} GB are free: "
+            "profile on a device with more memory, or a smaller model"
+        )
 
 
 def measure(

@@ -10,6 +10,7 @@ embedding and the head make those stages heavy.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise, permutations
@@ -21,6 +22,10 @@ from cutpipe.sim.costs import Costs
 from cutpipe.sim.memory import peak_activations
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
+
+#: The most ops of a schedule ``balance`` searches over (it simulates the step once per
+#: candidate move, hundreds of times): about half a minute of search at the limit.
+MAX_BALANCED_OPS = 25_000
 
 
 def groups(items: Sequence[ItemCost], sizes: Sequence[int]) -> list[list[ItemCost]]:
@@ -178,8 +183,23 @@ def balance(
     memory_cap: float | None = None,
     max_rounds: int = 200,
 ) -> Partition:
-    """The partition with the shortest simulated step whose every rank fits ``memory_cap``."""
+    """The partition with the shortest simulated step whose every rank fits ``memory_cap``.
+
+    Each round simulates the step once per candidate move, so schedules of more than
+    ``MAX_BALANCED_OPS`` ops are refused before the search starts.
+    """
     stages = schedule.num_stages
+    ops = schedule.num_ops
+    if ops > MAX_BALANCED_OPS:
+        raise ValueError(
+            f"balancing simulates the step hundreds of times; {schedule.name} with "
+            f"{schedule.num_microbatches:,} microbatches holds {ops:,} ops, over the limit of "
+            f"{MAX_BALANCED_OPS:,}: use fewer microbatches or ranks"
+        )
+    if memory_cap is not None and not (
+        isinstance(memory_cap, (int, float)) and math.isfinite(memory_cap) and memory_cap > 0
+    ):
+        raise ValueError(f"memory_cap must be a positive finite number of bytes, got {memory_cap}")
     cap = float("inf") if memory_cap is None else memory_cap
 
     def fits(partition: Partition) -> bool:

@@ -11,10 +11,12 @@ commands that read a profile do not import torch.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
+from cutpipe.files import write_text
 from cutpipe.plan.costs import Hardware, ItemCost, ModelSpec, model_items
+from cutpipe.records import finite, mapping, require_keys
 
 FORMAT = "cutpipe-profile/1"
 KINDS = ("embedding", "dense_layer", "moe_layer", "head")
@@ -70,24 +72,60 @@ class Profile:
         }
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write the profile as JSON, atomically (the old file stays until the new is whole)."""
+        write_text(path, json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
+        """Read a profile ``save`` wrote; a ValueError names the file and what is wrong."""
         try:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise ValueError(f"profile file {path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"cannot read profile file {path}: {error}") from None
         except json.JSONDecodeError as error:
             raise ValueError(f"profile file {path} is not JSON: {error}") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"{path} is not a cutpipe profile (written by `cutpipe profile`)")
-        model = ModelSpec.from_dict(data["model"], source=str(path))
+        try:
+            return cls._from_dict(data, str(path))
+        except (TypeError, ValueError) as error:
+            message = str(error)
+            raise ValueError(message if str(path) in message else f"{path}: {message}") from None
+
+    @classmethod
+    def _from_dict(cls, data: dict, source: str) -> Profile:
+        record = require_keys(data, "profile", ("model", "device", "dtype", "w_memory", "items"))
+        model = ModelSpec.from_dict(dict(mapping(record["model"], "profile model")), source)
         needed = {"embedding", "head", "moe_layer" if model.moe else "dense_layer"}
         if model.moe and model.dense_layers:
             needed.add("dense_layer")
-        missing = needed - set(data["items"])
+        measured = mapping(record["items"], "profile items")
+        missing = needed - set(measured)
         if missing:
-            raise ValueError(f"profile {path} lacks measurements of {', '.join(sorted(missing))}")
-        items = {kind: ItemCost(**values) for kind, values in data["items"].items()}
-        return cls(model, data["device"], data["dtype"], items, float(data["w_memory"]))
+            raise ValueError(f"profile {source} lacks measurements of {', '.join(sorted(missing))}")
+        unknown = set(measured) - set(KINDS)
+        if unknown:
+            raise ValueError(f"profile items {sorted(unknown)} are not among {', '.join(KINDS)}")
+        items = {kind: _item(kind, values) for kind, values in measured.items()}
+        kept = finite(record["w_memory"], "profile w_memory")
+        if not 0 <= kept <= 1:
+            raise ValueError(f"profile w_memory is a fraction between 0 and 1, got {kept}")
+        return cls(model, str(record["device"]), str(record["dtype"]), items, kept)
+
+
+def _item(kind: str, values: object) -> ItemCost:
+    """One measured item; every figure a finite number >= 0."""
+    names = [f.name for f in fields(ItemCost)]
+    numeric = [n for n in names if n != "name"]
+    required = [f.name for f in fields(ItemCost) if f.default is MISSING]
+    record = require_keys(values, f"profile item {kind}", required)
+    unknown = sorted(set(record) - set(names))
+    if unknown:
+        raise ValueError(f"profile item {kind} has unknown fields {unknown}")
+    figures = {n: finite(record[n], f"profile item {kind} {n}") for n in numeric if n in record}
+    negative = [n for n, v in figures.items() if v < 0]
+    if negative:
+        raise ValueError(f"profile item {kind}: {', '.join(negative)} must be >= 0")
+    return ItemCost(name=str(record["name"]), **figures)

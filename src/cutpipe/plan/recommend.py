@@ -21,6 +21,8 @@ expert all-to-alls use NVLink when the EP group fits in one node.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,12 +36,17 @@ from cutpipe.plan.partition import (
 )
 from cutpipe.plan.profile import Profile
 from cutpipe.plan.progress import progress
+from cutpipe.schedule.limits import MAX_OPS
 from cutpipe.schedule.registry import SCHEDULES, schedule_info
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
 
 USABLE_MEMORY = 0.9  # of a GPU's memory, the rest for the framework and fragmentation
+#: The most ops ``recommend`` simulates over all layouts (about a minute of work).
+MAX_SIMULATED_OPS = 20_000_000
+#: More devices than any cluster; ``recommend`` enumerates the divisors of the count.
+MAX_DEVICES = 1_000_000
 NEAR_MISS = 1.25  # a compute-balanced split this far over the memory gets a memory-aware one
 DEFAULT_SCHEDULES = ("1f1b", "zbh1", "zbh2", "interleaved", "zbv", "dualpipe", "dualpipev")
 
@@ -178,12 +185,10 @@ def recommend(
     """Every fitting plan, fastest first. ``global_batch`` counts sequences (default 8 per
     device); ``memory`` is bytes per device (default the GPU's); ``profile``: measured costs
     (``cutpipe profile``) instead of the analytic model."""
-    if devices < 1:
-        raise ValueError(f"devices must be >= 1, got {devices}")
-    batch = global_batch or 8 * devices
-    capacity = (memory or hardware.memory) * USABLE_MEMORY
-    for name in schedules:
-        schedule_info(name)
+    check_inputs(model, hardware, devices, global_batch, memory, schedules, profile)
+    batch = 8 * devices if global_batch is None else global_batch
+    capacity = (hardware.memory if memory is None else memory) * USABLE_MEMORY
+    schedules = [schedule_info(name).name for name in schedules]
     layouts = []
     for pp in divisors(devices):
         dp = devices // pp
@@ -201,8 +206,16 @@ def recommend(
         names = schedules if pp > 1 else [n for n in SINGLE_RANK if n in schedules] or schedules[:1]
         for ep in eps:
             for name in names:
+                check_size(name, pp, m, batch)
                 if SCHEDULES[name].accepts(pp, m):
                     layouts.append((pp, ep, name, m))
+    simulated = sum(SCHEDULES[name].ops_bound(pp, m) for pp, _, name, m in layouts)
+    if simulated > MAX_SIMULATED_OPS:
+        raise ValueError(
+            f"recommend would simulate {len(layouts)} layouts of about {simulated:,} ops in all, "
+            f"over its limit of {MAX_SIMULATED_OPS:,}: use a smaller global batch, fewer "
+            "schedules or fewer devices"
+        )
     if not layouts:
         raise ValueError(
             f"no layout of {devices} devices splits a global batch of {batch} sequences into whole "
@@ -217,6 +230,14 @@ def recommend(
             tick(status=f"{len(plans)} fit")
     if not plans:
         smallest = _smallest_need(model, hardware, devices, profile)
+        if smallest <= capacity:
+            raise ValueError(
+                f"{model.name} does not fit on {devices} x {hardware.name}: the training state "
+                f"fits ({smallest / 1e9:.1f} GB per device "
+                f"of {capacity / 1e9:.1f} GB usable at the deepest pipeline) but not with the "
+                "activations of any schedule; use more devices, GPUs with more memory, expert "
+                "parallelism or shorter sequences"
+            )
         raise ValueError(
             f"{model.name} does not fit on {devices} x {hardware.name} even at the largest pipeline: "
             f"its training state alone needs {smallest / 1e9:.1f} GB per device against "
@@ -224,6 +245,51 @@ def recommend(
             "devices, GPUs with more memory, or expert parallelism"
         )
     return sorted(plans, key=lambda p: -p.tokens_per_second)
+
+
+def check_inputs(
+    model: ModelSpec, hardware: Hardware, devices: int, global_batch: int | None,
+    memory: float | None, schedules: Sequence[str], profile: Profile | None,
+) -> None:  # fmt: skip
+    """A TypeError or ValueError naming the argument that ``recommend`` cannot use."""
+    if not isinstance(model, ModelSpec):
+        raise TypeError(f"model must be a ModelSpec, got {type(model).__name__}")
+    if not isinstance(hardware, Hardware):
+        raise TypeError(f"hardware must be a Hardware (e.g. gpu('H100')), got {hardware!r}")
+    for label, value in (("devices", devices), ("global_batch", global_batch)):
+        if value is None and label == "global_batch":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{label} must be an int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{label} must be >= 1, got {value}")
+    if devices > MAX_DEVICES:
+        raise ValueError(f"devices must be at most {MAX_DEVICES:,}, got {devices:,}")
+    if memory is not None:
+        if isinstance(memory, bool) or not isinstance(memory, numbers.Real):
+            raise TypeError(f"memory must be a number of bytes per device, got {memory!r}")
+        if not (math.isfinite(memory) and memory > 0):
+            raise ValueError(
+                f"memory must be a positive finite number of bytes per device, got {memory}"
+            )
+    if isinstance(schedules, str) or not all(isinstance(name, str) for name in schedules):
+        raise TypeError(f"schedules must be a list of schedule names, got {schedules!r}")
+    if not schedules:
+        raise ValueError(f"give at least one schedule, e.g. {', '.join(DEFAULT_SCHEDULES)}")
+    if profile is not None and not isinstance(profile, Profile):
+        raise TypeError(f"profile must be a Profile (Profile.load(path)), got {profile!r}")
+
+
+def check_size(name: str, pp: int, microbatches: int, batch: int) -> None:
+    """A ValueError if one layout's schedule is over ``MAX_OPS`` (a global batch too large)."""
+    info = SCHEDULES[name]
+    ops = info.ops_bound(pp, microbatches)
+    if ops > MAX_OPS:
+        raise ValueError(
+            f"a global batch of {batch:,} sequences makes {microbatches:,} microbatches per "
+            f"pipeline at PP={pp}, and {name} would hold about {ops:,} ops, over the limit of "
+            f"{MAX_OPS:,}: use a smaller global batch"
+        )
 
 
 def _smallest_need(

@@ -16,6 +16,7 @@ takes ZB-V at the zero-bubble paper's setting to the lower bound of ``plan.bound
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from cutpipe.plan.cooldown import settle_cooldown
 from cutpipe.plan.dataflow import Key
 from cutpipe.plan.progress import progress
 from cutpipe.schedule.codes import Codec
+from cutpipe.schedule.limits import check_size
 from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.schedule.schedule import Schedule
@@ -355,6 +357,9 @@ def improve(
 
 
 REFILLED = 3  # how many of the best bases get their W passes re-placed
+#: The most ops a cost-aware search schedules: it simulates dozens of whole candidates, about
+#: half a minute at the limit (R = 32, m = 1024 on a V is 196,608 ops).
+MAX_SEARCHED_OPS = 200_000
 FIXED = {"linear": ("1f1b", "zbh1", "zbh2"), "v": ("zbv", "dualpipev")}
 
 
@@ -362,6 +367,33 @@ def default_cap(placement: str, ranks: int, costs: Costs) -> float:
     """1F1B's activation peak: R stage activations, or 2R half-size ones on a V."""
     chunks = 2 if placement == "v" else 1
     return ranks * chunks * max(costs.per_stage("activation", chunks * ranks))
+
+
+def check_search(
+    placement: str, ranks: int, microbatches: int, costs: Costs, memory_cap: float | None,
+    search_seconds: float,
+) -> None:  # fmt: skip
+    """A TypeError or ValueError naming the argument ``cost_aware`` cannot use, before any work."""
+    if placement not in ("linear", "v"):
+        raise ValueError(f"cost-aware schedules place stages 'linear' or 'v', got {placement!r}")
+    for label, value in (("ranks", ranks), ("microbatches", microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"cost_aware: {label} must be an int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"cost_aware: needs {label} >= 1, got {value}")
+    if not isinstance(costs, Costs):
+        raise TypeError(f"cost_aware: costs must be a Costs, got {costs!r}")
+    for label, value in (("memory_cap", memory_cap), ("search_seconds", search_seconds)):
+        if value is None and label == "memory_cap":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"cost_aware: {label} must be a number, got {value!r}")
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"cost_aware: {label} must be a finite number >= 0, got {value}")
+    check_size(
+        f"a cost-aware search ({placement})", ranks, ranks * (2 if placement == "v" else 1),
+        microbatches, limit=MAX_SEARCHED_OPS,
+    )  # fmt: skip
 
 
 def cost_aware(
@@ -384,6 +416,7 @@ def cost_aware(
     ``search_seconds`` of local search (at most ``search_evaluations`` simulations, if given),
     then its cool-down settled again.
     """
+    check_search(placement, ranks, microbatches, costs, memory_cap, search_seconds)
     kind = _placement(placement, ranks)
     cap = memory_cap if memory_cap is not None else default_cap(placement, ranks, costs)
     smallest = default_cap(placement, 1, costs)

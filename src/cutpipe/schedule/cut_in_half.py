@@ -20,6 +20,10 @@ def cut_in_half(schedule: Schedule) -> Schedule:
 
     ``cut_in_half(dualpipe(2 * R, 2 * m)) == dualpipev(R, m)``, op for op.
     """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(
+            f"cut_in_half takes a Schedule (e.g. generate('dualpipe', 8, 16)), got {schedule!r}"
+        )
     placement = schedule.placement
     ranks = placement.num_ranks
     if ranks % 2 or placement != Placement.bidirectional(ranks):

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from cutpipe.records import listed, require_keys, whole
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -25,6 +27,17 @@ class Placement:
     pipes: tuple[tuple[int, ...], ...]
 
     def __post_init__(self) -> None:
+        if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int):
+            raise TypeError(f"a placement's num_ranks must be an int, got {self.num_ranks!r}")
+        if not isinstance(self.pipes, tuple) or not all(
+            isinstance(pipe, tuple)
+            and all(isinstance(r, int) and not isinstance(r, bool) for r in pipe)
+            for pipe in self.pipes
+        ):
+            raise TypeError(
+                "a placement's pipes must be a tuple of tuples of ranks (ints), one per pipe, "
+                f"got {self.pipes!r}"
+            )
         if self.num_ranks < 1:
             raise ValueError(f"a placement needs at least 1 rank, got {self.num_ranks}")
         if not self.pipes or not self.pipes[0]:
@@ -115,6 +128,12 @@ class Placement:
         total = sum(sizes)
         return sum(sizes[s] for s in self.stages_of(rank)) / total
 
+    def parameter_shares(self, stage_params: Sequence[float] | None = None) -> list[float]:
+        """``parameter_share`` of every rank, in time linear in the stages (not quadratic)."""
+        sizes = stage_params or [1.0] * self.num_stages
+        total = sum(sizes)
+        return [sum(sizes[s] for s in self.stages_of(r)) / total for r in range(self.num_ranks)]
+
     def microbatches_of(self, pipe: int, num_microbatches: int) -> range:
         """The microbatch ids that flow through ``pipe``: contiguous, earlier pipes get the extra one."""
         per_pipe, extra = divmod(num_microbatches, self.num_pipes)
@@ -149,6 +168,13 @@ class Placement:
 
     @classmethod
     def from_dict(cls, data: dict) -> Placement:
-        return cls(
-            str(data["kind"]), int(data["num_ranks"]), tuple(tuple(p) for p in data["pipes"])
+        """The placement ``to_dict`` wrote; a ValueError names a missing or malformed field."""
+        record = require_keys(data, "placement", ("kind", "num_ranks", "pipes"))
+        if not isinstance(record["kind"], str):
+            raise ValueError(f"placement kind must be a string, got {record['kind']!r}")
+        ranks = whole(record["num_ranks"], "placement num_ranks", least=1)
+        pipes = tuple(
+            tuple(whole(r, f"placement pipe {p} rank") for r in listed(pipe, f"placement pipe {p}"))
+            for p, pipe in enumerate(listed(record["pipes"], "placement pipes"))
         )
+        return cls(record["kind"], ranks, pipes)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from cutpipe.records import listed, require_keys, whole
 from cutpipe.schedule.actions import Action, Kind, Op, parse_op
 from cutpipe.schedule.codes import Codec
 from cutpipe.schedule.placement import Placement
@@ -33,6 +34,12 @@ class Schedule:
     codes: tuple[tuple[int, ...], ...] = field(repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.placement, Placement):
+            raise TypeError(f"a schedule's placement must be a Placement, got {self.placement!r}")
+        if isinstance(self.num_microbatches, bool) or not isinstance(self.num_microbatches, int):
+            raise TypeError(
+                f"a schedule's num_microbatches must be an int, got {self.num_microbatches!r}"
+            )
         if self.num_microbatches < 1:
             raise ValueError(f"a schedule needs at least 1 microbatch, got {self.num_microbatches}")
         if len(self.codes) != self.placement.num_ranks:
@@ -57,6 +64,11 @@ class Schedule:
     @property
     def num_stages(self) -> int:
         return self.placement.num_stages
+
+    @property
+    def num_ops(self) -> int:
+        """Ops of every rank (an overlapped pair counts once)."""
+        return sum(map(len, self.codes))
 
     @cached_property
     def codec(self) -> Codec:
@@ -119,9 +131,15 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, data: dict) -> Schedule:
-        return cls.from_actions(
-            str(data["name"]),
-            Placement.from_dict(data["placement"]),
-            int(data["num_microbatches"]),
-            [[parse_op(text) for text in ops] for ops in data["actions"]],
-        )
+        """The schedule ``to_dict`` wrote; a ValueError names a missing or malformed field."""
+        record = require_keys(data, "schedule", ("placement", "num_microbatches", "actions"))
+        placement = Placement.from_dict(record["placement"])
+        microbatches = whole(record["num_microbatches"], "schedule num_microbatches", least=1)
+        per_rank = listed(record["actions"], "schedule actions", length=placement.num_ranks)
+        actions = []
+        for rank, ops in enumerate(per_rank):
+            texts = listed(ops, f"schedule actions of rank {rank}")
+            if not all(isinstance(text, str) for text in texts):
+                raise ValueError(f"schedule actions of rank {rank} must be strings such as '0F1'")
+            actions.append([parse_op(text) for text in texts])
+        return cls.from_actions(str(record.get("name", "custom")), placement, microbatches, actions)

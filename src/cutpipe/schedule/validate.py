@@ -251,6 +251,8 @@ def walk(schedule: Schedule, timing: Timing | None = None) -> Walk:
 
 def validate(schedule: Schedule) -> None:
     """Raise ``ScheduleError`` unless the schedule runs to the end under the runtime's model."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"validate takes a Schedule (e.g. generate('zbv', 4, 8)), got {schedule!r}")
     walk(schedule)
 
 

@@ -7,6 +7,8 @@ gives one value per stage.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
@@ -15,6 +17,43 @@ from cutpipe.schedule.schedule import Schedule
 from cutpipe.schedule.validate import Timing
 
 PerStage = float | Sequence[float]
+
+#: The largest cost any field may take: sums over a schedule's million ops and the products
+#: of the metrics stay finite far below the float range (a cost of 1e308 would make them inf).
+MAX_COST = 1e15
+#: The fields ``Costs.parse`` reads (``params`` is per stage only, given in Python).
+PARSED = ("f", "b", "w", "fb", "comm", "ep_f", "ep_b", "activation", "w_memory", "p2p_bytes",
+          "ep_bytes")  # fmt: skip
+#: The fields that may be None.
+OPTIONAL = ("fb", "params")
+#: The fields that take one value per stage (or one for all stages).
+PER_STAGE = ("f", "b", "w", "ep_f", "ep_b", "activation", "params")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"cost {name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or not 0 <= value <= MAX_COST:
+        raise ValueError(
+            f"cost {name} must be a finite number between 0 and {MAX_COST:g}, got {value!r}"
+        )
+
+
+def _check_field(name: str, value: object) -> None:
+    """A TypeError or ValueError naming the field if ``value`` cannot be its cost."""
+    if value is None:
+        if name not in OPTIONAL:
+            raise TypeError(f"cost {name} must be a number, got None")
+        return
+    if name in PER_STAGE and isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if not value:
+            raise ValueError(f"cost {name} lists no values: give one per stage, or one number")
+        for index, item in enumerate(value):
+            _check_number(f"{name}[{index}]", item)
+        return
+    if name == "params":
+        raise TypeError(f"cost params must be a list of per-stage sizes or None, got {value!r}")
+    _check_number(name, value)
 
 
 @dataclass(frozen=True)
@@ -51,19 +90,22 @@ class Costs:
 
     def __post_init__(self) -> None:
         for field in fields(self):
-            value = getattr(self, field.name)
-            values = (
-                [] if value is None else list(value) if isinstance(value, Sequence) else [value]
-            )
-            if any(not isinstance(v, (int, float)) or v != v or v < 0 for v in values):
-                raise ValueError(f"cost {field.name}={value!r} must be a non-negative number")
+            _check_field(field.name, getattr(self, field.name))
         if not 0 <= self.w_memory <= 1:
-            raise ValueError(f"w_memory is a fraction of the activation, got {self.w_memory}")
+            raise ValueError(
+                f"cost w_memory is the fraction of an activation a B keeps for its W, between 0 "
+                f"and 1, got {self.w_memory}"
+            )
+        if self.params is not None and not sum(self.params) > 0:
+            raise ValueError(f"cost params must have a positive total, got {list(self.params)}")
 
     @classmethod
     def parse(cls, text: str) -> Costs:
-        """Read ``"F=1,B=1,W=1,FB=2.5,comm=0.1"``; keys are the field names, any case."""
-        names = {field.name.lower(): field.name for field in fields(cls)}
+        """Read ``"F=1,B=1,W=1,FB=2.5,comm=0.1"``; keys are the field names, any case.
+
+        Every key at most once; ``FB=none`` asks for the default pair time.
+        """
+        names = {name.lower(): name for name in PARSED}
         values: dict[str, float | None] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, raw = item.partition("=")
@@ -71,12 +113,18 @@ class Costs:
             if not sep or name is None:
                 raise ValueError(
                     f"cannot read cost {item!r}: expected KEY=VALUE with KEY one of "
-                    f"{', '.join(n for n in names.values() if n != 'params')}"
+                    f"{', '.join(PARSED)}"
                 )
+            if name in values:
+                raise ValueError(f"cost {name} is given twice in {text!r}: give each key once")
+            raw = raw.strip()
+            if name in OPTIONAL and raw.lower() == "none":
+                values[name] = None
+                continue
             try:
-                values[name] = None if raw.strip().lower() == "none" else float(raw)
+                values[name] = float(raw)
             except ValueError:
-                raise ValueError(f"cost {key}={raw!r} is not a number") from None
+                raise ValueError(f"cost {key.strip()}={raw!r} is not a number") from None
         return cls(**values)
 
     def scaled(self, factor: float) -> Costs:

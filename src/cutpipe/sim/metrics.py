@@ -62,6 +62,12 @@ def overlapped_pairs(schedule: Schedule) -> int:
 
 def metrics(timeline: Timeline, costs: Costs | None = None) -> Metrics:
     """Summarise a simulated or measured timeline; ``costs`` gives the memory and size model."""
+    if not isinstance(timeline, Timeline):
+        raise TypeError(
+            f"metrics takes a Timeline (e.g. simulate(schedule)), got {type(timeline).__name__}"
+        )
+    if costs is not None and not isinstance(costs, Costs):
+        raise TypeError(f"metrics' costs must be a Costs or None, got {costs!r}")
     costs = costs or Costs()
     schedule = timeline.schedule
     R, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
@@ -85,7 +91,7 @@ def metrics(timeline: Timeline, costs: Costs | None = None) -> Metrics:
         bubble_ratio=(makespan - least_busy) / makespan if makespan else 0.0,
         bubble_ratio_span=(longest - least_busy) / longest if longest else 0.0,
         peak_activations_per_rank=peak_activations(schedule, costs),
-        params_per_rank=[schedule.placement.parameter_share(r, params) for r in range(R)],
+        params_per_rank=schedule.placement.parameter_shares(params),
         p2p_sends=sends,
         p2p_bytes=sends * costs.p2p_bytes,
         ep_alltoalls=alltoalls,

@@ -16,5 +16,11 @@ from cutpipe.sim.timeline import Timeline
 
 def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     """Predict when every op of ``schedule`` runs under ``costs`` (default: F = B = W = 1)."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(
+            f"simulate takes a Schedule (e.g. generate('1f1b', 4, 8)), got {schedule!r}"
+        )
+    if costs is not None and not isinstance(costs, Costs):
+        raise TypeError(f"simulate's costs must be a Costs or None, got {costs!r}")
     result = walk(schedule, (costs or Costs()).timing(schedule))
     return Timeline(schedule, result.starts, result.ends, unit="cost", source="simulated")

@@ -12,6 +12,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cutpipe.files import write_text
+from cutpipe.records import finite, listed, require_keys
 from cutpipe.schedule.actions import Op
 from cutpipe.schedule.schedule import Schedule
 
@@ -30,6 +32,13 @@ class Timeline:
     source: str = "simulated"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.schedule, Schedule):
+            raise TypeError(f"a timeline's schedule must be a Schedule, got {self.schedule!r}")
+        if not len(self.starts) == len(self.ends) == self.schedule.num_ranks:
+            raise ValueError(
+                f"timeline lists starts for {len(self.starts)} ranks and ends for "
+                f"{len(self.ends)}, but its schedule has {self.schedule.num_ranks} ranks"
+            )
         for rank, ops in enumerate(self.schedule.codes):
             if not len(self.starts[rank]) == len(self.ends[rank]) == len(ops):
                 raise ValueError(
@@ -79,6 +88,10 @@ class Timeline:
 
     @classmethod
     def from_dict(cls, data: dict) -> Timeline:
+        """The timeline ``to_dict`` wrote; a ValueError names what is missing or malformed.
+
+        Every time must be finite and every op must end no earlier than it starts.
+        """
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(
                 f'not a cutpipe timeline: expected a JSON object with "format": "{FORMAT}" '
@@ -86,21 +99,56 @@ class Timeline:
             )
         if data.get("version") != VERSION:
             raise ValueError(f"cutpipe timeline version {data.get('version')} is not {VERSION}")
+        record = require_keys(data, "timeline", ("schedule", "starts", "ends"))
+        schedule = Schedule.from_dict(record["schedule"])
+        starts, ends = [], []
+        for rank, ops in enumerate(schedule.codes):
+            where = f"timeline rank {rank}"
+            rank_starts = listed(
+                listed(record["starts"], "timeline starts", schedule.num_ranks)[rank],
+                f"{where} starts", len(ops),
+            )  # fmt: skip
+            rank_ends = listed(
+                listed(record["ends"], "timeline ends", schedule.num_ranks)[rank],
+                f"{where} ends", len(ops),
+            )  # fmt: skip
+            starts.append([finite(t, f"{where} start {i}") for i, t in enumerate(rank_starts)])
+            ends.append([finite(t, f"{where} end {i}") for i, t in enumerate(rank_ends)])
+            early = next(
+                (i for i, (a, b) in enumerate(zip(starts[-1], ends[-1], strict=True)) if b < a),
+                None,
+            )
+            if early is not None:
+                raise ValueError(
+                    f"{where}: op {early} ({schedule.actions[rank][early]}) ends at "
+                    f"{ends[-1][early]:g}, before it starts at {starts[-1][early]:g}"
+                )
         return cls(
-            Schedule.from_dict(data["schedule"]),
-            [list(map(float, s)) for s in data["starts"]],
-            [list(map(float, e)) for e in data["ends"]],
-            unit=str(data.get("unit", "cost")),
-            source=str(data.get("source", "simulated")),
+            schedule,
+            starts,
+            ends,
+            unit=str(record.get("unit", "cost")),
+            source=str(record.get("source", "simulated")),
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict()))
+        """Write the timeline as JSON, atomically (the old file stays until the new is whole)."""
+        write_text(path, json.dumps(self.to_dict(), allow_nan=False))
 
     @classmethod
     def load(cls, path: str | Path) -> Timeline:
+        """Read a timeline ``save`` wrote; FileNotFoundError or ValueError naming the file."""
         try:
-            data = json.loads(Path(path).read_text())
+            text = Path(path).read_text()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"timeline file {path} does not exist") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not text; expected a cutpipe timeline (JSON)") from None
+        try:
+            data = json.loads(text)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path} is not JSON ({error}); expected a cutpipe timeline") from None
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from cutpipe.files import write_text
 from cutpipe.viz.scene import Scene
 
 REQUIRED = ("name", "ph", "ts", "dur", "pid", "tid")
@@ -46,8 +47,9 @@ def events(scene: Scene) -> list[dict]:
 
 
 def save(scene: Scene, path: str | Path) -> int:
-    """Write the trace of ``scene``; return the number of op events."""
+    """Write the trace of ``scene`` atomically; return the number of op events."""
     unit = "1 cost unit = 1 ms" if scene.unit == "cost" else "seconds"
-    Path(path).write_text(json.dumps({"traceEvents": events(scene), "displayTimeUnit": "ms",
-                                      "otherData": {"producer": "cutpipe", "time": unit}}))  # fmt: skip
+    trace = {"traceEvents": events(scene), "displayTimeUnit": "ms",
+             "otherData": {"producer": "cutpipe", "time": unit}}  # fmt: skip
+    write_text(path, json.dumps(trace, allow_nan=False))
     return scene.box_count

@@ -11,6 +11,7 @@ import json
 from importlib.resources import files
 from pathlib import Path
 
+from cutpipe.files import write_text
 from cutpipe.viz.scene import Box, Scene
 from cutpipe.viz.style import KIND_COLOURS, KIND_NAMES, TEXT_ON
 
@@ -59,13 +60,13 @@ def page(scene: Scene, title: str | None = None) -> str:
             for p in scene.panels
         ],
     }
-    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    payload = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
     template = files("cutpipe.viz").joinpath("page.html").read_text()
     escaped = title.replace("&", "&amp;").replace("<", "&lt;")
     return template.replace("__TITLE__", escaped).replace("__DATA__", payload)
 
 
 def save(scene: Scene, path: str | Path) -> int:
-    """Write the page of ``scene``; return the number of op boxes on it."""
-    Path(path).write_text(page(scene))
+    """Write the page of ``scene`` atomically; return the number of op boxes on it."""
+    write_text(path, page(scene))
     return scene.box_count

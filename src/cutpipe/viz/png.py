@@ -18,7 +18,8 @@ from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from cutpipe.viz.scene import Box, Panel, Scene
+from cutpipe.files import write_with
+from cutpipe.viz.scene import MAX_IMAGE_BOXES, Box, Panel, Scene, check_boxes
 from cutpipe.viz.style import (
     IDLE_COLOUR,
     KIND_COLOURS,
@@ -119,8 +120,8 @@ def _render(scene: Scene) -> tuple[Figure, int]:
         len(heights), 1, sharex=True, gridspec_kw={"height_ratios": heights}, squeeze=False
     )
     axes = axes[:, 0]
-    end = scene.end
     start = min(p.timeline.begin for p in scene.panels)
+    end = max(scene.end, start + 1e-9)  # all costs zero: an empty axis, not a singular one
     plot_inches = WIDTH_INCHES * 0.82
     pixels_per_unit = plot_inches * figure.dpi / max(end - start, 1e-12)
     drawn = 0
@@ -159,7 +160,12 @@ def _render(scene: Scene) -> tuple[Figure, int]:
 
 
 def save(scene: Scene, path: str | Path, dpi: int = 110) -> int:
-    """Write ``scene`` as a PNG or SVG (by the path's ending); return the boxes drawn."""
+    """Write ``scene`` as a PNG or SVG (by the path's ending), atomically; return the boxes drawn.
+
+    Refuses scenes of more than ``MAX_IMAGE_BOXES`` boxes before drawing (use the HTML page).
+    """
+    check_boxes(scene.box_count, MAX_IMAGE_BOXES, "a PNG or SVG image")
     figure, drawn = render(scene)
-    figure.savefig(path, dpi=dpi)
+    kind = Path(path).suffix.lstrip(".").lower() or "png"
+    write_with(path, lambda temporary: figure.savefig(temporary, dpi=dpi, format=kind))
     return drawn

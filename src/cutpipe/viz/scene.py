@@ -17,6 +17,24 @@ from cutpipe.sim.memory import activation_trace
 from cutpipe.sim.metrics import Metrics, metrics
 from cutpipe.sim.timeline import Timeline
 
+#: The most op boxes one picture holds. Past it a picture shows nothing a smaller run would
+#: not (a box is narrower than a pixel) and takes long to build; see docs/cli.md, "Limits".
+MAX_BOXES = 200_000
+#: The most boxes of a PNG or SVG image: matplotlib draws a few thousand boxes a second, so
+#: this takes a few seconds; the HTML page and the Chrome trace take up to ``MAX_BOXES``.
+MAX_IMAGE_BOXES = 50_000
+
+
+def check_boxes(count: int, limit: int = MAX_BOXES, what: str = "a picture") -> None:
+    """A ValueError with the limit and what to change if ``count`` boxes are too many."""
+    if count <= limit:
+        return
+    other = "" if limit >= MAX_BOXES else f", or write .html, which takes up to {MAX_BOXES:,}"
+    raise ValueError(
+        f"{what} of {count:,} ops is over the limit of {limit:,} boxes: draw fewer ranks or "
+        f"microbatches (the bubble and the order show as well at a smaller size){other}"
+    )
+
 
 @dataclass(frozen=True, slots=True)
 class Box:
@@ -195,11 +213,14 @@ def scene(timelines: list[Timeline], costs: list[Costs] | Costs | None = None,
     """A scene of one panel per timeline, all on one time axis (their units must agree)."""
     if not timelines:
         raise ValueError("nothing to draw: give at least one timeline")
+    ghosts = ghosts or [None] * len(timelines)
+    check_boxes(
+        sum(t.schedule.num_ops for t in timelines) + sum(g.schedule.num_ops for g in ghosts if g)
+    )
     units_ = {t.unit for t in timelines}
     if len(units_) > 1:
         raise ValueError(f"cannot stack timelines in different units on one axis: {sorted(units_)}")
     per = costs if isinstance(costs, list) else [costs] * len(timelines)
-    ghosts = ghosts or [None] * len(timelines)
     return Scene(
         [panel(t, c, g) for t, c, g in zip(timelines, per, ghosts, strict=True)], units_.pop()
     )

@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 
-def check_counts(name: str, num_ranks: int, num_microbatches: int) -> None:
-    """Every schedule needs at least one rank and one microbatch, given as ints."""
+from cutpipe.schedule.limits import check_size
+
+
+def check_counts(
+    name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int = 1, kinds: int = 3,
+    steps: Callable[[int], int] | None = None,
+) -> None:  # fmt: skip
+    """Ranks and microbatches are ints >= 1, and the schedule is not too large to build.
+
+    ``stages_per_rank``, ``kinds`` (ops per stage and microbatch) and ``steps`` (the microbatch
+    steps the generator walks at least, given the ranks) bound the schedule's size and the
+    generator's work, checked before anything is allocated (``cutpipe.schedule.limits``).
+    """
     for label, value in (("ranks", num_ranks), ("microbatches", num_microbatches)):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name}: {label} must be an int, got {value!r}")
+            raise TypeError(
+                f"{name}: {label} must be an int, got {value!r} ({type(value).__name__})"
+            )
         if value < 1:
             raise ValueError(f"{name}: needs {label} >= 1, got {value}")
+    walked = 1 if steps is None else steps(num_ranks)
+    check_size(name, num_ranks, num_ranks * stages_per_rank, num_microbatches, kinds, walked)
 
 
 def require(condition: bool, message: str) -> None:

@@ -18,7 +18,7 @@ from cutpipe.schedule.schedule import Schedule
 
 
 def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
-    check_counts("dualpipev", num_ranks, num_microbatches)
+    check_counts("dualpipev", num_ranks, num_microbatches, stages_per_rank=2)
     R, m = num_ranks, num_microbatches
     require(
         m >= 2 * R - 1,

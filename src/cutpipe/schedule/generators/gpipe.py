@@ -13,7 +13,7 @@ from cutpipe.schedule.schedule import Schedule
 
 
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
-    check_counts("gpipe", num_ranks, num_microbatches)
+    check_counts("gpipe", num_ranks, num_microbatches, kinds=2)
     placement = Placement.linear(num_ranks)
     codec = Codec(num_ranks, num_microbatches)
     ranks = []

@@ -38,8 +38,10 @@ def _chunk_order(sizes: list[int], chunks: int, reverse: bool) -> list[int]:
 
 
 def interleaved(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Schedule:
-    check_counts("interleaved", num_ranks, num_microbatches)
-    require(isinstance(chunks, int) and chunks >= 1, f"interleaved needs chunks >= 1, got {chunks}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int):
+        raise TypeError(f"interleaved: chunks must be an int, got {chunks!r}")
+    require(chunks >= 1, f"interleaved needs chunks >= 1, got {chunks}")
+    check_counts("interleaved", num_ranks, num_microbatches, stages_per_rank=chunks, kinds=2)
     R, m, v = num_ranks, num_microbatches, chunks
     placement = Placement.interleaved(R, v)
     codec = Codec(R * v, m)

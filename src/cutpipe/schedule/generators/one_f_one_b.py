@@ -46,7 +46,7 @@ def one_f_one_b_rank(
 
 
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
-    check_counts("1f1b", num_ranks, num_microbatches)
+    check_counts("1f1b", num_ranks, num_microbatches, kinds=2)
     codec = Codec(num_ranks, num_microbatches)
     ranks = []
     for rank in range(num_ranks):

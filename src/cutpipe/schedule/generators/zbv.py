@@ -22,7 +22,7 @@ from cutpipe.schedule.schedule import Schedule
 
 
 def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
-    check_counts("zbv", num_ranks, num_microbatches)
+    check_counts("zbv", num_ranks, num_microbatches, stages_per_rank=2, steps=lambda r: 2 * r - 1)
     R = num_ranks
     padded = max(2 * R - 1, num_microbatches)  # the structure needs 2R-1; extra ones are dropped
     codec = Codec(2 * R, num_microbatches)
