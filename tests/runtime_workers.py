@@ -229,3 +229,62 @@ def overlap_hook(rank: int, world: int) -> dict:
         "hook_calls": sum(s.pairs for s in stages.values()),
         "pairs": pairs,
     }
+
+
+class Counting:
+    """Wraps an executor or a transport and counts the calls the runner makes on it: a seam a
+    CUDA-graph executor or an NCCL-specific transport would plug into the same way."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        value = getattr(self.inner, name)
+        if not callable(value):
+            return value
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return value(*args, **kwargs)
+
+        return counted
+
+
+def plugged(rank: int, world: int) -> dict:
+    """A runner whose executor and transport come from the options' factories."""
+    from cutpipe.runtime import RunnerOptions
+    from cutpipe.runtime.protocols import default_executor, default_transport
+
+    made: dict[str, Counting] = {}
+
+    def executor(context):
+        made["executor"] = Counting(default_executor(context))
+        return made["executor"]
+
+    def transport(context):
+        made["transport"] = Counting(default_transport(context))
+        return made["transport"]
+
+    m = 4
+    schedule = generate("zbv", world, m)
+    model = mlp(blocks=8, width=16, seed=3)
+    twin = copy.deepcopy(model)
+    x, y = batch(m, 16)
+    options = RunnerOptions(make_executor=executor, make_transport=transport)
+    runner = PipelineRunner.from_sequential(schedule, model, nn.MSELoss(), options=options)
+    loss = float(runner.step(x, y))
+    expected = reference(twin, x, y, m, "mean")
+    twins = dict(zip(map(id, model.parameters()), twin.parameters(), strict=True))
+    grad_error = max(relative_error(p.grad, twins[id(p)].grad) for p in runner.parameters())
+    runner.close()
+    ops = schedule.actions[rank]
+    return {
+        "loss": loss,
+        "expected": expected,
+        "grad_error": grad_error,
+        "executor": made["executor"].calls,
+        "transport": made["transport"].calls,
+        "forwards": sum(1 for op in ops if op.kind.name == "F"),
+        "weights": sum(1 for op in ops if op.kind.name == "W"),
+    }

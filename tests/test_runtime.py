@@ -129,3 +129,31 @@ def test_runs_under_torchrun():
         float(line.split()[-1]) for line in result.stdout.splitlines() if line.startswith("step")
     ]
     assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+@pytest.mark.timeout(120)
+def test_an_executor_and_a_transport_plug_in_through_the_options():
+    for result in run(workers.plugged, 2, timeout=90):
+        assert result["loss"] == pytest.approx(result["expected"], rel=1e-6)
+        assert result["grad_error"] <= 1e-6
+        executor, transport = result["executor"], result["transport"]
+        assert executor["forward"] == result["forwards"] and executor["weight"] == result["weights"]
+        assert executor["begin_step"] == executor["end_step"] == 1
+        assert transport["begin_step"] == transport["end_step"] == 1
+        assert transport["send"] > 0 and transport["receive"] > 0
+
+
+def test_runner_options_are_checked_and_unknown_ones_named():
+    from cutpipe.runtime import RunnerOptions
+
+    assert RunnerOptions.with_overrides(None, {"step_timeout": 30}).step_timeout == 30
+    with pytest.raises(TypeError, match="unknown option.s. step_timout; known: loss_reduction"):
+        RunnerOptions.with_overrides(None, {"step_timout": 30})
+    with pytest.raises(ValueError, match="loss_reduction must be 'sum' or 'mean', got 'avg'"):
+        RunnerOptions(loss_reduction="avg")
+    with pytest.raises(ValueError, match="step_timeout .0.5 s. must be longer than the heartbeat"):
+        RunnerOptions(step_timeout=0.5)
+    with pytest.raises(ValueError, match="w_memory is a share of an activation in .0, 1., got 2"):
+        RunnerOptions(w_memory=2)
+    with pytest.raises(TypeError, match="make_executor must be callable, got int"):
+        RunnerOptions(make_executor=3)

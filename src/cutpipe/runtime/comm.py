@@ -22,13 +22,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from cutpipe.runtime.heartbeat import Progress
 from cutpipe.runtime.program import ACTIVATION, MessageKey, Parcel, RankProgram
+
+if TYPE_CHECKING:
+    from cutpipe.runtime.protocols import TransportContext
 
 #: (dtype, shape) of each tensor of a boundary value
 Meta = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
@@ -162,6 +165,18 @@ class Mailbox:
         self._sends: deque[tuple[Any, int, torch.Tensor]] = deque()
         self._send_tag: dict[int, int] = {}
         self._recv_tag: dict[int, int] = {}
+
+    @classmethod
+    def open(cls, context: TransportContext) -> Mailbox:
+        """A mailbox for one runner: two process groups over the pipeline's ranks, one for
+        messages to higher ranks and one for messages to lower ranks."""
+        ranks = list(context.global_ranks)
+        upward = dist.new_group(ranks, use_local_synchronization=True)
+        downward = dist.new_group(ranks, use_local_synchronization=True)
+        return cls(
+            context.program, ranks, upward, downward, context.device,
+            context.options.dynamic_shapes, context.progress,
+        )  # fmt: skip
 
     # -- the step ------------------------------------------------------------------------------
 

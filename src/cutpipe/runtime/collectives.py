@@ -1,0 +1,130 @@
+"""The runner's own collectives over the pipeline group, in one small interface.
+
+Besides the point-to-point traffic of the schedule (the transport's), a runner needs a few
+collectives: the step's agreement (an all-gather started in the background), the loss all-reduce,
+DualPipe's mirror sums and the initial copy of its weights, a barrier before a recorded step, and
+gathering measured timelines. Each one says what it waits for (for the watchdog) and turns a
+connection broken by a failed peer into ``PeerLost``. A one-rank pipeline gets ``Alone``, which
+does nothing, so the runner never asks whether it has peers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cutpipe.runtime.comm import PeerLost, wait
+from cutpipe.runtime.flat import reduce_gradients, share_values
+from cutpipe.runtime.heartbeat import Progress
+
+
+def collective(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a collective; a connection broken by a failed peer becomes ``PeerLost``."""
+    try:
+        return operation(*args, **kwargs)
+    except RuntimeError as error:
+        raise PeerLost(None, str(error)) from error
+
+
+class Collectives:
+    """The collectives of one rank of a pipeline group of two or more ranks."""
+
+    def __init__(
+        self, group: dist.ProcessGroup, global_ranks: Sequence[int], rank: int, progress: Progress
+    ) -> None:
+        self._group = group
+        self._global = list(global_ranks)
+        self._rank = rank
+        self._progress = progress
+        self._mirror: dist.ProcessGroup | None = None
+        self._mirror_peer = -1
+
+    def _waiting(self, what: str, peer: int | None = None) -> None:
+        self._progress.wait_for(peer, what)
+
+    def _done(self) -> None:
+        self._progress.done_waiting()
+
+    def start_gather(self, word: torch.Tensor, what: str) -> Callable[[], torch.Tensor]:
+        """Start gathering every rank's ``word`` in the background; the returned call waits and
+        gives the words stacked by rank (on the CPU)."""
+        words = [torch.empty_like(word) for _ in self._global]
+        work = collective(dist.all_gather, words, word, group=self._group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            self._waiting(what)
+            wait(work, None)
+            self._done()
+            return torch.stack(words).cpu()
+
+        return finish
+
+    def sum(self, tensor: torch.Tensor, what: str) -> None:
+        """All-reduce ``tensor`` in place over the pipeline."""
+        self._waiting(what)
+        collective(dist.all_reduce, tensor, group=self._group)
+        self._done()
+
+    def barrier(self, what: str) -> None:
+        self._waiting(what)
+        collective(dist.barrier, group=self._group)
+        self._done()
+
+    def gather_to_first(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor] | None:
+        """Every rank's ``tensor`` on rank 0 (None elsewhere)."""
+        gathered = [torch.empty_like(tensor) for _ in self._global] if self._rank == 0 else None
+        self._waiting(what)
+        collective(dist.gather, tensor, gathered, dst=self._global[0], group=self._group)
+        self._done()
+        return gathered
+
+    # -- DualPipe's mirrored copies --------------------------------------------------------------
+
+    def pair_with(self, peer: int) -> None:
+        """Make the group of this rank and ``peer``, which hold copies of the same stages."""
+        members = sorted({self._global[self._rank], self._global[peer]})
+        self._mirror = dist.new_group(members, use_local_synchronization=True)
+        self._mirror_peer = peer
+
+    def copy_from_lower(self, parameters: Sequence[nn.Parameter]) -> None:
+        """Start the two copies equal: the lower rank's values win."""
+        source = self._global[min(self._rank, self._mirror_peer)]
+        share_values(parameters, lambda flat: dist.broadcast(flat, src=source, group=self._mirror))
+
+    def sum_copies(self, parameters: Sequence[nn.Parameter]) -> None:
+        """Add up the gradients of the two copies of each stage."""
+        peer = self._mirror_peer
+        self._waiting(f"the sum of DualPipe's two copies with rank {peer}", peer)
+        reduce_gradients(
+            parameters, lambda flat: collective(dist.all_reduce, flat, group=self._mirror)
+        )
+        self._done()
+
+
+class Alone:
+    """The collectives of a one-rank pipeline: there is nobody to talk to."""
+
+    def start_gather(self, word: torch.Tensor, what: str) -> Callable[[], torch.Tensor]:
+        return lambda: word.unsqueeze(0).cpu()
+
+    def sum(self, tensor: torch.Tensor, what: str) -> None:
+        pass
+
+    def barrier(self, what: str) -> None:
+        pass
+
+    def gather_to_first(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
+        return [tensor]
+
+    def pair_with(self, peer: int) -> None:
+        pass
+
+    def copy_from_lower(self, parameters: Sequence[nn.Parameter]) -> None:
+        pass
+
+    def sum_copies(self, parameters: Sequence[nn.Parameter]) -> None:
+        pass

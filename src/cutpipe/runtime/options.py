@@ -1,0 +1,125 @@
+"""``RunnerOptions``: how a ``PipelineRunner`` runs, in one checked value.
+
+A runner's constructor takes the schedule, this rank's stage modules, the loss and the process
+group; everything else is an option here, with its default and its meaning in one place.
+``PipelineRunner(..., options=RunnerOptions(...))`` and ``PipelineRunner(..., step_timeout=30)``
+(any field as a keyword) are the same thing. The executor and the transport are options too:
+factories that build them for one rank (see ``cutpipe.runtime.protocols``), which is where a new
+executor (say, CUDA graphs) or a new transport (say, NCCL-specific overlap) plugs in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from cutpipe.sim.costs import Costs
+
+if TYPE_CHECKING:
+    from cutpipe.runtime.protocols import Executor, ExecutorContext, Transport, TransportContext
+
+#: seconds a rank may go without completing an op before the watchdog stops the pipeline
+DEFAULT_STEP_TIMEOUT = 600.0
+#: how long set-up waits for the other ranks when the progress watchdog is off
+NO_TIMEOUT = 1800.0
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """Attributes:
+    loss_reduction: "mean" (default, as torch's schedules) or "sum" over the microbatches.
+    split_backward: run the schedule's B and W as separate passes (False: a W does nothing and
+        every B computes the weight gradients too).
+    emulate: sleep for these costs instead of running the stage modules (``time_unit`` seconds
+        per cost unit); tiny tensors still flow.
+    w_memory: the share of an activation a B keeps for its W, for the activation meter.
+    dynamic_shapes: boundary shapes may change at a fixed input shape: send them every step.
+    sync_copies: start DualPipe's two copies of each stage equal (the lower rank's wins).
+    record_timeline: measure when each op starts and ends (``PipelineRunner.timeline()``).
+    prefetch: how many ops ahead receives are posted.
+    loss_on_every_rank: all-reduce the loss so that every rank returns it.
+    check_finite: a NaN or infinite loss raises, naming step, microbatch and rank.
+    step_timeout, heartbeat, dead_after, exit_after: the failure model (docs/runtime.md);
+        ``step_timeout=None`` turns the progress watchdog off.
+    make_executor, make_transport: factories of this rank's executor and transport (None: the
+        stage executor, or the emulated one with ``emulate``; the point-to-point ``Mailbox``).
+    """
+
+    loss_reduction: str = "mean"
+    split_backward: bool = True
+    emulate: Costs | None = None
+    time_unit: float = 0.01
+    w_memory: float = 0.5
+    dynamic_shapes: bool = False
+    sync_copies: bool = True
+    record_timeline: bool = False
+    prefetch: int = 16
+    loss_on_every_rank: bool = True
+    check_finite: bool = False
+    step_timeout: float | None = DEFAULT_STEP_TIMEOUT
+    heartbeat: float = 1.0
+    dead_after: float = 20.0
+    exit_after: float = 10.0
+    make_executor: Callable[[ExecutorContext], Executor] | None = None
+    make_transport: Callable[[TransportContext], Transport] | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_reduction not in ("sum", "mean"):
+            raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {self.loss_reduction!r}")
+        if (
+            isinstance(self.prefetch, bool)
+            or not isinstance(self.prefetch, int)
+            or self.prefetch < 1
+        ):
+            raise ValueError(
+                "prefetch is how many ops ahead receives are posted; it must be an int >= 1, "
+                f"got {self.prefetch!r}"
+            )
+        if self.emulate is not None and not isinstance(self.emulate, Costs):
+            raise TypeError(f"emulate takes a cutpipe Costs, got {type(self.emulate).__name__}")
+        if not _is_number(self.w_memory) or not 0 <= self.w_memory <= 1:
+            raise ValueError(f"w_memory is a share of an activation in [0, 1], got {self.w_memory}")
+        for name in ("time_unit", "heartbeat", "dead_after", "exit_after", "step_timeout"):
+            value = getattr(self, name)
+            if name == "step_timeout" and value is None:
+                continue
+            if not _is_number(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.step_timeout is not None and self.step_timeout <= self.heartbeat:
+            raise ValueError(
+                f"step_timeout ({self.step_timeout:g} s) must be longer than the heartbeat "
+                f"({self.heartbeat:g} s)"
+            )
+        for name in ("make_executor", "make_transport"):
+            factory = getattr(self, name)
+            if factory is not None and not callable(factory):
+                raise TypeError(f"{name} must be callable, got {type(factory).__name__}")
+
+    @classmethod
+    def with_overrides(
+        cls, options: RunnerOptions | None, overrides: dict[str, Any]
+    ) -> RunnerOptions:
+        """``options`` (default: the defaults) with some fields replaced by keyword; an unknown
+        keyword is a TypeError that lists the known ones."""
+        if options is not None and not isinstance(options, RunnerOptions):
+            raise TypeError(f"options must be a RunnerOptions, got {type(options).__name__}")
+        names = [field.name for field in fields(cls)]
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise TypeError(
+                f"PipelineRunner got unknown option(s) {', '.join(unknown)}; known: "
+                f"{', '.join(names)}"
+            )
+        values = {name: getattr(options, name) for name in names} if options else {}
+        return cls(**{**values, **overrides})
+
+    @property
+    def setup_timeout(self) -> float:
+        """How long set-up waits for the other ranks."""
+        return self.step_timeout if self.step_timeout is not None else NO_TIMEOUT
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
