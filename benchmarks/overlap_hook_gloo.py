@@ -22,9 +22,9 @@ from cutpipe import generate
 from cutpipe.models import LanguageModelLoss, language_model
 from cutpipe.models.expert_parallel import shard_experts
 from cutpipe.models.moe_stage import moe_stages
-from cutpipe.plan.costs import ModelSpec
 from cutpipe.runtime import PipelineRunner, run
 from cutpipe.runtime.mesh import build_mesh
+from cutpipe.spec import ModelSpec
 
 SIZES = {"layers": 4, "hidden": 32, "ffn": 128, "seq_len": 32, "microbatch_size": 4}
 

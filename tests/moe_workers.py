@@ -12,9 +12,9 @@ from cutpipe import generate
 from cutpipe.models import LanguageModelLoss, language_model
 from cutpipe.models.expert_parallel import expert_parameters, shard_experts
 from cutpipe.models.moe_stage import moe_stages
-from cutpipe.plan.costs import ModelSpec
 from cutpipe.runtime import PipelineRunner
 from cutpipe.runtime.mesh import build_mesh
+from cutpipe.spec import ModelSpec
 
 TINY = ModelSpec(
     name="tiny-moe", layers=6, hidden=16, heads=2, ffn=24, vocab=32, seq_len=8,

@@ -1,4 +1,4 @@
-"""`cutpipe bench moe`: the seed's comparison, simulated at scale and run here for real."""
+"""`cutpipe bench moe`: the Cut-in-half report's comparison, simulated at scale and run here."""
 
 import itertools
 import json
@@ -8,28 +8,37 @@ import pytest
 
 from cutpipe import Costs, generate
 from cutpipe.bench.measured import HOOK_OFF, RealSetting, run_real
+from cutpipe.bench.report import Row, verdicts
 from cutpipe.bench.simulated import (
-    SEED_MODEL,
-    SeedSetting,
+    MODEL_FILE,
+    SimulatedSetting,
+    default_model,
     exposed_alltoall,
-    simulate_seed,
+    simulate_at_scale,
 )
 from cutpipe.cli.main import main
-from cutpipe.plan.costs import ModelSpec, gpu, model_items
+from cutpipe.plan.costs import gpu, model_items
 from cutpipe.plan.partition import rank_balanced_sizes
+from cutpipe.spec import ModelSpec
 
 ROOT = Path(__file__).parents[1]
 
 
-def test_the_seed_model_is_the_example_file():
-    assert ModelSpec.load(ROOT / "examples" / "models" / "seed-moe-40l.yaml") == SEED_MODEL
+def test_the_default_model_is_one_file_shipped_in_the_package():
+    """The example is a link to the packaged file, so there is one definition, found installed."""
+    example = ROOT / "examples" / "models" / MODEL_FILE
+    assert example.resolve() == (ROOT / "src" / "cutpipe" / "bench" / MODEL_FILE).resolve()
+    model = default_model()
+    assert model == ModelSpec.load(example) and model.name == "moe-40l"
+    assert (model.layers, model.experts, model.top_k, model.seq_len) == (40, 8, 2, 2048)
+    assert '"cutpipe.bench" = ["moe-40l.yaml"]' in (ROOT / "pyproject.toml").read_text()
 
 
 @pytest.mark.parametrize("name", ["1f1b", "dualpipe", "dualpipev", "zbv"])
-def test_seed_stages_even_out_the_ranks(name):
+def test_stages_even_out_the_ranks(name):
     """Ranks, not stages: a V's rank 0 also holds the head, so its stages get fewer layers."""
     schedule = generate(name, 4, 64)
-    items = model_items(SEED_MODEL, gpu("A100"), ep=2)
+    items = model_items(default_model(), gpu("A100"), ep=2)
     work = [i.forward + i.backward + i.weight for i in items]
     sizes = rank_balanced_sizes(items, schedule)
     bounds = list(itertools.accumulate([0, *sizes]))
@@ -55,8 +64,8 @@ def test_exposed_alltoall_follows_the_pair_rule():
     assert sum(singles) > 0
 
 
-def test_simulated_seed_table_shows_the_structural_facts():
-    rows = {row.schedule: row for row in simulate_seed()}
+def test_simulated_table_shows_the_structural_facts():
+    rows = {row.schedule: row for row in simulate_at_scale()}
     assert set(rows) == {"1f1b", "dualpipe", "dualpipev", "zbv"}
     assert rows["dualpipe"].params_x == 2 and rows["dualpipev"].params_x == 1
     assert rows["dualpipev"].pp_traffic_x == 2 and rows["1f1b"].pp_traffic_x == 1
@@ -86,7 +95,13 @@ def test_bench_moe_sim_only_json(capsys):
 def test_bench_moe_prints_the_table_and_the_claims(capsys):
     assert main(["bench", "moe", "--sim-only"]) == 0
     out = capsys.readouterr().out
-    for text in ("Cut-in-half", "ZB-V", "samples/s", "Against the seed's claims", "simulated"):
+    for text in (
+        "Cut-in-half",
+        "ZB-V",
+        "samples/s",
+        "Against the Cut-in-half report's claims",
+        "simulated",
+    ):
         assert text in out
 
 
@@ -106,8 +121,8 @@ def test_bench_moe_bad_input_fails_before_any_process_starts(capsys, args, messa
     assert message in capsys.readouterr().err
 
 
-def test_seed_setting_defaults_are_the_seed():
-    setting = SeedSetting()
+def test_simulated_setting_defaults_are_the_reports():
+    setting = SimulatedSetting()
     assert (setting.devices, setting.pp * setting.ep, setting.batch) == (8, 8, 1024)
     assert setting.microbatches == 512  # per pipeline: 1024 over EP 2, one sequence each
 
@@ -126,3 +141,39 @@ def test_real_runs_measure_every_figure():
         assert min(parts["parameters"], parts["gradients"], parts["activations"]) > 0
         assert parts["optimizer"] == pytest.approx(2 * parts["parameters"], rel=0.01)
     assert by_name["dualpipev"].pp_traffic_x == 2 and by_name["1f1b"].params_x == 1
+
+
+def _rows(figures: dict[str, tuple[float, ...]]) -> list[Row]:
+    """Rows from (throughput, memory, bubble, comm, params_x, pp_traffic_x) per schedule."""
+    return [
+        Row(name, name, *values[:4], params_x=values[4], pp_traffic_x=values[5])
+        for name, values in figures.items()
+    ]
+
+
+HOLDS = _rows({
+    "1f1b": (10, 5, 0.20, 0.3, 1, 1), "dualpipe": (11, 8, 0.05, 0.1, 2, 1),
+    "dualpipev": (11, 6, 0.06, 0.1, 1, 2), "zbv": (10, 6, 0.05, 0.3, 1, 2),
+})  # fmt: skip
+FAILS = _rows({
+    "1f1b": (12, 5, 0.20, 0.1, 1, 1), "dualpipe": (12, 6, 0.05, 0.1, 1, 1),
+    "dualpipev": (10, 7, 0.20, 0.3, 1, 1), "zbv": (10, 6, 0.05, 0.1, 1, 2),
+})  # fmt: skip
+
+
+def test_each_verdict_explains_its_own_outcome():
+    agree, disagree = verdicts(HOLDS, HOLDS), verdicts(FAILS, FAILS)
+    for yes, no in zip(agree, disagree, strict=True):
+        assert yes.here is yes.simulated is True and no.here is no.simulated is False
+        assert yes.why != no.why, yes.claim
+    here_only = {v.claim.split(" (")[0]: v.why for v in verdicts(FAILS, HOLDS)}
+    simulated_only = {v.claim.split(" (")[0]: v.why for v in verdicts(HOLDS, FAILS)}
+    bubble = "Cut-in-half has DualPipe's bubble, within 5 points of the step"
+    assert "per-op cost" in here_only[bubble] and "per-op cost" not in simulated_only[bubble]
+    assert "gloo" in here_only[next(c for c in here_only if c.startswith("Overlapped"))]
+
+
+def test_a_claim_without_figures_says_so():
+    quiet = [Row(r.schedule, r.title, r.throughput, r.memory, r.bubble, 0.0) for r in HOLDS]
+    hides = verdicts(quiet, [])[4]
+    assert hides.here is None and hides.simulated is None and "No figures" in hides.why

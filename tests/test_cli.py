@@ -73,7 +73,7 @@ def test_simulate_prints_tables(capsys):
     assert code == 0 and "bubble ratio (span)" in out and "peak activations" in out
 
 
-def test_compare_defaults_to_the_seed_lineup_and_agrees_with_the_forms(capsys):
+def test_compare_defaults_to_the_reports_lineup_and_agrees_with_the_forms(capsys):
     code, out, _ = run(capsys, "compare", "--json")
     rows = json.loads(out)
     assert [r["schedule"] for r in rows] == ["1f1b", "dualpipe", "dualpipev", "zbh1", "zbv"]

@@ -1,4 +1,5 @@
-"""The seed's central claim in code: DualPipe with its mirrored half cut off is DualPipeV."""
+"""The Cut-in-half report's central claim in code: DualPipe with its mirrored half cut off is
+DualPipeV."""
 
 import pytest
 

@@ -1,5 +1,6 @@
 """The closed forms: the simulator equals each exactly inside its stated conditions (checked with
-==, on costs that add up exactly in binary), and reproduces REFERENCE section 5 to 4 decimals."""
+==, on costs that add up exactly in binary), and reproduces the published figures of
+docs/formulas.md to 4 decimals."""
 
 import pytest
 from conftest import dyadic
@@ -62,7 +63,7 @@ def test_forms_are_not_exact_outside_their_conditions():
     assert not formulas.predicted_bubble("dualpipe", 8, 8, 20, slow)[1]
 
 
-UNIT_RATIOS = [  # REFERENCE section 5: R, m, 1F1B, ZB-H1, ZB-H2 (span), ZB-V (span)
+UNIT_RATIOS = [  # docs/formulas.md: R, m, 1F1B, ZB-H1, ZB-H2 (span), ZB-V (span)
     (4, 8, 0.2727, 0.1111, 0, 0),
     (4, 12, 0.2000, 0.0769, 0, 0),
     (8, 24, 0.2258, 0.0886, 0, 0),

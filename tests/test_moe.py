@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from cutpipe.models.transformer import MoE
-from cutpipe.plan.costs import ModelSpec
 from cutpipe.runtime import run
 from cutpipe.runtime.memory import ActivationMeter, state_bytes
 from cutpipe.runtime.mesh import Layout, build_mesh
+from cutpipe.spec import ModelSpec
 
 
 @pytest.mark.timeout(60)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from cutpipe.measure import measure
 from cutpipe.plan.costs import (
-    ModelSpec,
     gpu,
     layer_cost,
     model_items,
@@ -16,8 +16,8 @@ from cutpipe.plan.costs import (
     summarize,
     w_memory,
 )
-from cutpipe.plan.measure import measure
 from cutpipe.plan.profile import Profile
+from cutpipe.spec import ModelSpec
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "models"
 TINY = ModelSpec(name="tiny", layers=4, hidden=64, heads=4, ffn=128, vocab=300, seq_len=32,
@@ -32,9 +32,9 @@ def test_dense_7b_has_llama_2_7b_parameter_count():
 
 def test_example_models_load_and_moe_is_moe():
     names = {path.stem: ModelSpec.load(path) for path in EXAMPLES.glob("*.yaml")}
-    assert set(names) == {"dense-7b", "seed-moe-40l", "deepseek-v3-like"}
-    assert not names["dense-7b"].moe and names["seed-moe-40l"].moe
-    assert names["seed-moe-40l"].layers == 40 and names["seed-moe-40l"].experts == 8
+    assert set(names) == {"dense-7b", "moe-40l", "deepseek-v3-like"}
+    assert not names["dense-7b"].moe and names["moe-40l"].moe
+    assert names["moe-40l"].layers == 40 and names["moe-40l"].experts == 8
     deepseek = summarize(model_items(names["deepseek-v3-like"], gpu("H100")))
     assert 6.0e11 < deepseek["parameters"] < 7.5e11  # DeepSeek-V3: 671B
 
@@ -61,7 +61,7 @@ def test_w_memory_near_the_zero_bubble_papers_32_of_34():
 
 
 def test_expert_parallelism_shards_experts_and_costs_all_to_alls():
-    model = ModelSpec.load(EXAMPLES / "seed-moe-40l.yaml")
+    model = ModelSpec.load(EXAMPLES / "moe-40l.yaml")
     h100 = gpu("H100")
     alone, spread = layer_cost(model, h100, 5, ep=1), layer_cost(model, h100, 5, ep=8)
     assert alone.ep_forward == 0 and spread.ep_forward > 0

@@ -10,13 +10,14 @@ import pytest
 
 from cutpipe.cli.main import main
 from cutpipe.plan import progress as progress_module
-from cutpipe.plan.costs import ModelSpec, gpu, model_items, p2p_time, w_memory
+from cutpipe.plan.costs import gpu, model_items, p2p_time, w_memory
 from cutpipe.plan.partition import balance, evaluate, even_sizes, stage_costs
 from cutpipe.plan.recommend import USABLE_MEMORY, reason, recommend, ring_allreduce
 from cutpipe.plan.recommend import evaluate as evaluate_plan
 from cutpipe.schedule.registry import generate
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
+from cutpipe.spec import ModelSpec
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "models"
 BIG_VOCAB = ModelSpec(name="big-vocab", layers=24, hidden=2560, heads=20, ffn=6912, vocab=256000,
@@ -62,7 +63,7 @@ def test_partition_respects_the_memory_cap_or_says_by_how_much_it_misses():
 
 
 def test_recommend_seed_moe_on_eight_a100():
-    model = ModelSpec.load(EXAMPLES / "seed-moe-40l.yaml")
+    model = ModelSpec.load(EXAMPLES / "moe-40l.yaml")
     plans = recommend(model, gpu("A100"), 8, global_batch=1024)
     assert plans == sorted(plans, key=lambda p: -p.tokens_per_second)
     assert all(p.pp * p.dp == 8 and p.dp % p.ep == 0 and 8 % p.ep == 0 for p in plans)
@@ -78,7 +79,7 @@ def test_recommend_seed_moe_on_eight_a100():
 
 def test_gradient_all_reduce_spares_experts_that_no_other_rank_holds():
     """With EP = DP every expert lives on one rank: only the dense parameters are all-reduced."""
-    model, a100 = ModelSpec.load(EXAMPLES / "seed-moe-40l.yaml"), gpu("A100")
+    model, a100 = ModelSpec.load(EXAMPLES / "moe-40l.yaml"), gpu("A100")
     plan = evaluate_plan(model, a100, 8, 1, 8, "1f1b", 16, 80e9)
     items = model_items(model, a100, ep=8)
     comm = p2p_time(model, a100, within_node=True)

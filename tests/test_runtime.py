@@ -13,13 +13,15 @@ EXACT = {
         ("gpipe", 3, "sum"), ("1f1b", 4, "sum"), ("1f1b", 3, "mean"), ("interleaved", 5, "sum"),
         ("zbh1", 3, "sum"), ("zbh2", 5, "sum"), ("zbv", 3, "sum"), ("zbv", 4, "mean"),
         ("dualpipe", 3, "sum"), ("dualpipe", 4, "mean"), ("dualpipev", 3, "sum"),
-        ("dualpipev", 4, "sum"),
+        ("dualpipev", 4, "sum"), ("loopedbfs", 3, "sum"), ("interleavedzb", 5, "sum"),
+        ("interleaved:chunks=3", 4, "mean"), ("interleavedzb:chunks=3", 3, "sum"),
     ],
     4: [
         ("gpipe", 5, "sum"), ("1f1b", 8, "sum"), ("1f1b", 5, "mean"), ("interleaved", 6, "sum"),
         ("zbh1", 7, "sum"), ("zbh2", 9, "sum"), ("zbv", 7, "sum"), ("zbv", 8, "mean"),
         ("dualpipe", 5, "sum"), ("dualpipe", 8, "mean"), ("dualpipev", 7, "sum"),
-        ("dualpipev", 9, "sum"),
+        ("dualpipev", 9, "sum"), ("loopedbfs", 5, "sum"), ("loopedbfs", 4, "mean"),
+        ("interleavedzb", 8, "sum"), ("interleavedzb", 9, "mean"),
     ],
 }  # fmt: skip
 

@@ -1,8 +1,9 @@
-"""Benchmarks shipped with cutpipe: the seed's MoE comparison, measured here and simulated at scale.
+"""Benchmarks shipped with cutpipe: the Cut-in-half report's MoE comparison (docs/formulas.md),
+measured here and simulated at scale.
 
-``simulated`` (pure Python, no torch) times the schedules at the seed's scale from the model's
+``simulated`` (pure Python, no torch) times the schedules at the report's scale from the model's
 FLOPs and bytes; ``measured`` runs them for real on local gloo processes; ``report`` puts both in
-one table in the seed's layout, with what agrees with the seed and what does not.
+one table in the report's layout, with which of its claims agree and why, or why not.
 """
 
 from cutpipe.bench.report import Row

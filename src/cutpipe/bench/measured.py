@@ -1,6 +1,6 @@
-"""The seed's MoE comparison run for real: local gloo processes, PP x EP, a small MoE transformer.
+"""The MoE comparison run for real: local gloo processes, PP x EP, a small MoE transformer.
 
-Every schedule trains the same model (same seed) on the same batches, each pipeline on its share.
+Every schedule trains the same model (same initial weights) on the same batches, each pipeline on its share.
 All runners are built first and take their steps in rotating order, round after round, so that
 the machine's noise falls on every schedule alike. Per schedule:
 
@@ -23,12 +23,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cutpipe.bench.report import Row
-from cutpipe.plan.costs import ModelSpec, gpu, model_items
+from cutpipe.bench.report import LINEUP, Row
+from cutpipe.plan.costs import gpu, model_items
 from cutpipe.plan.partition import rank_balanced_sizes
 from cutpipe.schedule.registry import generate, schedule_info
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.metrics import p2p_sends
+from cutpipe.spec import ModelSpec
 
 #: Small enough for 4 CPU processes, large enough that every V stage holds an MoE layer.
 BENCH_MODEL = ModelSpec(
@@ -47,7 +48,7 @@ class RealSetting:
     model: ModelSpec = BENCH_MODEL
     microbatches: int = 8
     steps: int = 5
-    schedules: tuple[str, ...] = ("1f1b", "dualpipe", "dualpipev", "zbv")
+    schedules: tuple[str, ...] = LINEUP
     hook_off: bool = True  # also run DualPipeV without the overlap hook
 
     @property

@@ -1,8 +1,10 @@
-"""The seed's MoE experiment at its own scale, simulated from the model's FLOPs and bytes.
+"""The Cut-in-half report's MoE experiment at its own scale, simulated from the model's FLOPs and
+bytes.
 
-The seed trains a 40-layer MoE with 8 experts on 8 GPUs (batch 1024 sequences of 2048 tokens)
-with 1F1B, DualPipe and Cut-in-half. The GPUs are split into pipeline x expert parallelism (by
-default PP 4 x EP 2, so the all-to-alls run inside a node). Every item of the model (embedding,
+The report (docs/formulas.md) trains a 40-layer MoE with 8 experts on 8 GPUs (batch 1024
+sequences of 2048 tokens) with 1F1B, DualPipe and Cut-in-half; the model is ``moe-40l.yaml``
+beside this module. The GPUs are split into pipeline x expert parallelism (by default PP 4 x
+EP 2, so the all-to-alls run inside a node). Every item of the model (embedding,
 layers, head) gets its forward, backward, weight-gradient and all-to-all times and its
 activation and parameter bytes from ``cutpipe.plan.costs``; the items are cut into each
 schedule's stages so that every rank's compute is as even as one layer's granularity allows
@@ -21,11 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 
-from cutpipe.bench.report import Row
+from cutpipe.bench.report import LINEUP, Row
 from cutpipe.plan.costs import (
     STATE_BYTES_PER_PARAMETER,
-    ModelSpec,
     boundary_bytes,
     gpu,
     model_items,
@@ -40,21 +42,23 @@ from cutpipe.sim.costs import Costs
 from cutpipe.sim.memory import peak_activations
 from cutpipe.sim.metrics import metrics, p2p_sends
 from cutpipe.sim.simulate import simulate
+from cutpipe.spec import ModelSpec
 
-#: The seed's model (examples/models/seed-moe-40l.yaml): 40 layers, 8 experts, top-2.
-SEED_MODEL = ModelSpec(
-    name="seed-moe-40l", layers=40, hidden=2048, heads=16, ffn=5632, experts=8, top_k=2,
-    vocab=32000, seq_len=2048, microbatch_size=1,
-)  # fmt: skip
-#: The seed's lineup, plus ZB-V (the best V-shape without overlapped pairs).
-SEED_SCHEDULES = ("1f1b", "dualpipe", "dualpipev", "zbv")
+#: The report's model, shipped with cutpipe (examples/models/moe-40l.yaml links to it).
+MODEL_FILE = "moe-40l.yaml"
+
+
+def default_model() -> ModelSpec:
+    """The report's 40-layer, 8-expert MoE, read from the file shipped beside this module."""
+    with resources.as_file(resources.files("cutpipe.bench") / MODEL_FILE) as path:
+        return ModelSpec.load(path)
 
 
 @dataclass(frozen=True)
-class SeedSetting:
+class SimulatedSetting:
     """Devices, how they split, the batch, and the GPU the costs are derived for."""
 
-    model: ModelSpec = field(default=SEED_MODEL)
+    model: ModelSpec = field(default_factory=default_model)
     gpu: str = "A100"
     devices: int = 8
     pp: int = 4
@@ -116,10 +120,11 @@ def exposed_alltoall(schedule: Schedule, costs: Costs) -> list[float]:
     return exposed
 
 
-def simulate_seed(
-    setting: SeedSetting = SeedSetting(), schedules: Sequence[str] = SEED_SCHEDULES
+def simulate_at_scale(
+    setting: SimulatedSetting | None = None, schedules: Sequence[str] = LINEUP
 ) -> list[Row]:
-    """Each schedule at the seed's scale: a ``Row`` of simulated figures."""
+    """Each schedule at the report's scale (default: its setting): a ``Row`` of simulated figures."""
+    setting = setting or SimulatedSetting()
     setting.check()
     hardware = gpu(setting.gpu)
     within_node = setting.pp * setting.ep * setting.dp <= hardware.gpus_per_node

@@ -1,10 +1,12 @@
-"""``cutpipe bench moe``: the seed's 1F1B / DualPipe / Cut-in-half (and ZB-V) MoE comparison.
+"""``cutpipe bench moe``: the Cut-in-half report's 1F1B / DualPipe / Cut-in-half (and ZB-V) MoE
+comparison.
 
 Runs the schedules for real on local gloo processes (PP x EP, a small MoE transformer) and
-simulates them at the seed's scale (8 devices, 40 layers, 8 experts, batch 1024 of 2048 tokens,
-costs from the model's FLOPs and bytes on ``--gpu``), then prints one table in the seed's layout
+simulates them at the report's scale (8 devices, 40 layers, 8 experts, batch 1024 of 2048 tokens,
+costs from the model's FLOPs and bytes on ``--gpu``), then prints one table in the report's layout
 (throughput, peak memory, bubble share, communication share) and says where the figures agree
-with the seed's claims and where not, and why. ``--sim-only`` skips the real runs.
+with the report's claims and where not, and why (docs/formulas.md). ``--sim-only`` skips the real
+runs.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ MAX_PROCESSES = 64
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
-        "bench", help="benchmarks: `bench moe` is the seed's MoE comparison",
+        "bench", help="benchmarks: `bench moe` is the Cut-in-half report's MoE comparison",
         description="Benchmarks shipped with cutpipe.",
     )  # fmt: skip
     kinds = parser.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     moe = kinds.add_parser(
         "moe", help="1F1B vs DualPipe vs Cut-in-half vs ZB-V on an MoE: real runs and at scale",
-        description=__doc__.splitlines()[0],
+        description=" ".join(__doc__.split("\n\n")[0].split()),
     )  # fmt: skip
     real = moe.add_argument_group("real runs (this machine, gloo)")
     real.add_argument("--pp", type=whole(1, MAX_PROCESSES), default=2,
@@ -41,7 +43,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     real.add_argument("--timeout", type=positive_float, default=600.0,
                       help="stop the processes after this many seconds")  # fmt: skip
     real.add_argument("--sim-only", action="store_true", help="skip the real runs")
-    sim = moe.add_argument_group("simulation at the seed's scale")
+    sim = moe.add_argument_group("simulation at the report's scale")
     sim.add_argument("--gpu", default="A100", help="A100 (default), H100 or H200")
     sim.add_argument("--devices", type=whole(1, MAX_DEVICES), default=8, help="GPUs (default 8)")
     sim.add_argument("--sim-pp", type=positive_int, default=4, help="pipeline ranks (default 4)")
@@ -49,7 +51,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                      help="expert-parallel ranks (default 2)")  # fmt: skip
     sim.add_argument("--batch", type=positive_int, default=1024,
                      help="sequences per step (default 1024)")  # fmt: skip
-    sim.add_argument("--model", metavar="FILE", help="a model YAML/JSON (default: the seed's)")
+    sim.add_argument(
+        "--model", metavar="FILE", help="a model YAML/JSON (default: the report's, moe-40l)"
+    )
     moe.add_argument("--json", action="store_true", help="print the figures as JSON")
     moe.set_defaults(run=run)
 
@@ -57,25 +61,25 @@ def register(commands: argparse._SubParsersAction) -> None:
 def _settings(args: argparse.Namespace) -> tuple[Any, Any]:
     """Both settings, checked before any process starts."""
     from cutpipe.bench.measured import RealSetting
-    from cutpipe.bench.simulated import SEED_MODEL, SeedSetting
-    from cutpipe.plan.costs import ModelSpec
+    from cutpipe.bench.simulated import SimulatedSetting, default_model
+    from cutpipe.spec import ModelSpec
 
-    model = ModelSpec.load(args.model) if args.model is not None else SEED_MODEL
-    seed = SeedSetting(model, args.gpu, args.devices, args.sim_pp, args.sim_ep, args.batch)
-    seed.check()
+    model = ModelSpec.load(args.model) if args.model is not None else default_model()
+    scaled = SimulatedSetting(model, args.gpu, args.devices, args.sim_pp, args.sim_ep, args.batch)
+    scaled.check()
     real = RealSetting(pp=args.pp, ep=args.ep, microbatches=args.microbatches, steps=args.steps)
     if not args.sim_only:
         require_torch()  # the real runs need it; --sim-only does not
         real.check()
-    return seed, real
+    return scaled, real
 
 
 def run(args: argparse.Namespace) -> int:
     from cutpipe.bench.report import render, verdicts
-    from cutpipe.bench.simulated import simulate_seed
+    from cutpipe.bench.simulated import simulate_at_scale
 
-    seed, real = _settings(args)
-    simulated = simulate_seed(seed)
+    scaled, real = _settings(args)
+    simulated = simulate_at_scale(scaled)
     measured, ratio = [], math.nan
     if not args.sim_only:
         from cutpipe.bench.measured import run_real
@@ -91,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
                 "verdicts": [check.__dict__ for check in checks],
                 "settings": {
                     "real": real.to_dict(),
-                    "simulated": {**seed.__dict__, "model": seed.model.__dict__},
+                    "simulated": {**scaled.__dict__, "model": scaled.model.__dict__},
                 },
             }
         )
@@ -99,13 +103,13 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
-    model = seed.model
+    model = scaled.model
     title = (
         f"here: gloo, PP {real.pp} x EP {real.ep} processes, {real.model.layers}-layer MoE "
         f"(hidden {real.model.hidden}, {real.model.experts} experts), {real.microbatches} "
-        f"microbatches | sim.: {seed.devices} x {seed.gpu} as PP {seed.pp} x EP {seed.ep}"
-        f"{f' x DP {seed.dp}' if seed.dp > 1 else ''}, {model.layers}-layer MoE, "
-        f"{model.experts} experts, batch {seed.batch} x {model.seq_len} tokens"
+        f"microbatches | sim.: {scaled.devices} x {scaled.gpu} as PP {scaled.pp} x EP {scaled.ep}"
+        f"{f' x DP {scaled.dp}' if scaled.dp > 1 else ''}, {model.layers}-layer MoE, "
+        f"{model.experts} experts, batch {scaled.batch} x {model.seq_len} tokens"
     )
     console.print(render(measured, simulated, title))
     console.print(
@@ -120,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
             f"Overlap hook, measured side by side: DualPipeV steps take {ratio:.3f}x the time "
             f"with the hook than without ({1 / ratio:.2f}x the throughput)."
         )
-    console.print("\nAgainst the seed's claims (its Table 2 figures are not reproduced here):")
+    console.print(
+        "\nAgainst the Cut-in-half report's claims (its measured figures are not reproduced here):"
+    )
     for check in checks:
         console.print(check.text())
     return 0

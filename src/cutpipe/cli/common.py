@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from cutpipe.files import check_output
-from cutpipe.schedule.registry import SCHEDULES
+from cutpipe.schedule.params import split_specs
+from cutpipe.schedule.registry import SCHEDULES, schedule_info
 from cutpipe.sim.costs import Costs
 
 #: A petabyte per device: more than any accelerator, small enough to stay finite in bytes.
@@ -68,22 +69,30 @@ positive_int = whole(1)
 positive_float = real(0.0)
 
 
+#: ``--help`` for an option that takes a schedule.
+SCHEDULE_HELP = (
+    f"one of: {', '.join(SCHEDULES)} (or PyTorch's class name, e.g. ZBVZeroBubble), with "
+    "parameters after a colon, e.g. interleaved:chunks=4"
+)
+
+
 def schedule_names(text: str) -> tuple[str, ...]:
-    """An argparse ``type``: comma-separated known schedule names, at least one."""
-    names = tuple(schedule_name(name) for name in text.split(",") if name.strip())
+    """An argparse ``type``: comma-separated known schedules, at least one, each possibly with
+    parameters (``1f1b,interleaved:chunks=4``)."""
+    names = tuple(schedule_name(spec) for spec in split_specs(text))
     if not names:
         raise argparse.ArgumentTypeError(f"give at least one schedule: {', '.join(SCHEDULES)}")
     return names
 
 
 def schedule_name(text: str) -> str:
-    """An argparse ``type``: one known schedule name."""
-    name = text.strip().lower()
-    if name not in SCHEDULES:
-        raise argparse.ArgumentTypeError(
-            f"unknown schedule {text!r}; known schedules: {', '.join(SCHEDULES)}"
-        )
-    return name
+    """An argparse ``type``: one known schedule, by name or PyTorch class name, possibly with
+    parameters; returned in registry form (``Interleaved1F1B:chunks=4`` -> ``interleaved:chunks=4``),
+    which ``generate`` and ``schedule_info`` take as is."""
+    try:
+        return schedule_info(text).spec
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 class MissingTorch(ImportError):
@@ -121,7 +130,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         type=schedule_name,
         metavar="NAME",
-        help=f"one of: {', '.join(SCHEDULES)}",
+        help=SCHEDULE_HELP,
     )
     parser.add_argument(
         "--ranks", "-r", type=positive_int, required=True, help="pipeline ranks (devices)"
@@ -197,8 +206,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, gpu_required: bool = Tr
 
 def load_model_arguments(args: argparse.Namespace):
     """(model, hardware, profile or None, memory bytes or None) from ``add_model_arguments``."""
-    from cutpipe.plan.costs import ModelSpec, gpu
+    from cutpipe.plan.costs import gpu
     from cutpipe.plan.profile import Profile
+    from cutpipe.spec import ModelSpec
 
     if args.model is None and args.profile is None:
         raise ValueError("give the model: --model FILE.yaml (or --profile FILE.json)")

@@ -1,4 +1,4 @@
-"""``cutpipe compare``: the seed's Table 1, simulated beside the published closed forms."""
+"""``cutpipe compare``: the Cut-in-half report's comparison table, simulated beside the closed forms."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from cutpipe.sim.compare import (
     DEFAULT_COSTS,
     DEFAULT_MICROBATCHES,
     DEFAULT_RANKS,
-    SEED_SCHEDULES,
+    DEFAULT_SCHEDULES,
     compare,
 )
 from cutpipe.sim.formulas import CLOSED_FORMS
@@ -42,8 +42,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--schedules",
         type=schedule_names,
-        default=SEED_SCHEDULES,
-        help=f"comma-separated names (default {','.join(SEED_SCHEDULES)})",
+        default=DEFAULT_SCHEDULES,
+        help=f"comma-separated names (default {','.join(DEFAULT_SCHEDULES)})",
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.set_defaults(run=run, default_costs=DEFAULT_COSTS)
@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
                     "formula_exact": row.formula_exact,
                     "bubble_ratio": row.metrics and row.metrics.bubble_ratio,
                     "bubble_ratio_span": row.metrics and row.metrics.bubble_ratio_span,
+                    "makespan": row.metrics and row.metrics.makespan,
+                    "work": row.metrics and sum(row.metrics.busy_per_rank),
                     "params_x": row.params_x,
                     "activations": row.activations,
                     "pp_traffic_x": row.pp_traffic_x,

@@ -9,8 +9,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cutpipe.cli.common import add_costs_argument, output_file, schedule_name, schedule_names
-from cutpipe.schedule.registry import SCHEDULES, generate
+from cutpipe.cli.common import (
+    SCHEDULE_HELP,
+    add_costs_argument,
+    output_file,
+    schedule_name,
+    schedule_names,
+)
+from cutpipe.schedule.registry import generate
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.simulate import simulate
 from cutpipe.sim.timeline import Timeline
@@ -30,13 +36,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         "-s",
         type=schedule_name,
         metavar="NAME",
-        help=f"one of: {', '.join(SCHEDULES)}",
+        help=SCHEDULE_HELP,
     )
     what.add_argument(
         "--compare",
         type=schedule_names,
         metavar="A,B,...",
-        help="several schedules stacked on one time axis",
+        help="several schedules stacked on one time axis (each as --schedule takes it)",
     )
     what.add_argument(
         "--timeline",

@@ -6,8 +6,8 @@ import argparse
 import re
 
 from cutpipe.cli.common import output_file, print_json, require_torch, whole
-from cutpipe.plan.costs import ModelSpec
 from cutpipe.plan.profile import DTYPES
+from cutpipe.spec import ModelSpec
 
 #: Timed or warm-up rounds: each builds and runs every item of the model once.
 MAX_ROUNDS = 1000
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     require_torch()
     import torch
 
-    from cutpipe.plan.measure import check_fits, measure  # imports torch
+    from cutpipe.measure import check_fits, measure  # imports torch
 
     device = args.device
     if device is None:

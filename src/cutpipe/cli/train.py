@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from cutpipe.cli.common import (
+    SCHEDULE_HELP,
     fmt,
     output_file,
     parse_costs,
@@ -27,7 +28,7 @@ from cutpipe.cli.common import (
     schedule_name,
     whole,
 )
-from cutpipe.schedule.registry import SCHEDULES, generate, schedule_info
+from cutpipe.schedule.registry import generate, schedule_info
 
 #: Local processes ``train`` starts at most: more only oversubscribe the machine's cores.
 MAX_PROCESSES = 64
@@ -41,7 +42,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         description=__doc__.splitlines()[0],
     )  # fmt: skip
     parser.add_argument("--schedule", "-s", required=True, type=schedule_name, metavar="NAME",
-                        help=f"one of: {', '.join(SCHEDULES)}")  # fmt: skip
+                        help=SCHEDULE_HELP)  # fmt: skip
     parser.add_argument("--nproc", "-n", type=whole(1, MAX_PROCESSES), required=True,
                         help=f"pipeline ranks (local processes, at most {MAX_PROCESSES})")  # fmt: skip
     parser.add_argument("--microbatches", "-m", type=positive_int,

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cutpipe.plan.costs import ModelSpec
 from cutpipe.runtime.chain import Chain
+from cutpipe.spec import ModelSpec
 
 
 class RMSNorm(nn.Module):

@@ -12,13 +12,13 @@ after their B wherever the simulator says that costs nothing.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 
-from cutpipe.plan import dataflow
-from cutpipe.plan.dataflow import Key
+from cutpipe.plan.events import Ranks
 from cutpipe.schedule.codes import B_CODE, BW_CODE, F_CODE, KIND_BITS, KIND_MASK, W_CODE
+from cutpipe.schedule.dataflow import produced
 from cutpipe.schedule.schedule import Schedule
+from cutpipe.schedule.validate import Timing
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
@@ -38,101 +38,99 @@ def critical_path_tail(schedule: Schedule, costs: Costs) -> Schedule:
     placement = schedule.placement
     if placement.num_pipes != 1 or any(code < 0 for ops in schedule.codes for code in ops):
         return schedule
-    R, S = placement.num_ranks, placement.num_stages
-    owner = placement.pipes[0]
+    flow = schedule.dataflow
     timing = costs.timing(schedule)
     durations = (timing.forward, timing.backward, timing.weight, timing.full_backward)
-    comm = timing.latency
 
     def duration(code: int) -> float:
         return durations[code & KIND_MASK][code >> KIND_BITS]
 
-    backward_kind = {}
-    for ops in schedule.codes:
-        for code in ops:
-            if code & KIND_MASK in (B_CODE, BW_CODE):
-                backward_kind[code >> KIND_BITS] = code & KIND_MASK
-    if len(backward_kind) != S * schedule.num_microbatches:
+    level = _bottom_levels(schedule, timing)
+    if level is None:
         return schedule  # not a whole training step: nothing to settle
-    level: dict[int, float] = {}  # per slot: bottom level of its backward
-    for stage in range(S):
-        for mb in range(schedule.num_microbatches):
-            slot = mb * S + stage
-            kind = backward_kind[slot]
-            own = timing.weight[slot] if kind == B_CODE else 0.0
-            below = 0.0
-            if stage > 0:
-                hop = comm if owner[stage - 1] != owner[stage] else 0.0
-                below = hop + level[slot - 1]
-            level[slot] = duration((slot << KIND_BITS) | kind) + max(own, below)
 
     def bottom(code: int) -> float:
         slot = code >> KIND_BITS
         return timing.weight[slot] if code & KIND_MASK == W_CODE else level[slot]
 
-    produced: dict[Key, float] = {}
-
-    def arrival(code: int, rank: int) -> float | None:
-        """When ``code``'s input is on ``rank``: None until its producer has run."""
-        key = dataflow.awaited(code, S)
-        if key is None:
-            return 0.0
-        if key not in produced:
-            return None
-        return produced[key] + (comm if owner[key[1]] != rank else 0.0)
-
+    ranks = Ranks(flow, timing.latency)
     prefix, tails = [], []
     for ops in schedule.codes:
         cut = _last_forward(ops) + 1
         prefix.append(list(ops[:cut]))
         tails.append(list(ops[cut:]))
-    pointer = [0] * R
-    clock = [0.0] * R
-    orders: list[list[int]] = [[] for _ in range(R)]
-    events = [(0.0, r) for r in range(R)]
+    pointer = [0] * placement.num_ranks
 
     def run(rank: int, code: int, start: float) -> None:
+        """Place ``code`` and wake the rank that reads its output (it re-decides then)."""
         end = start + duration(code)
-        orders[rank].append(code)
-        clock[rank] = end
-        key = dataflow.produced(code, S)
-        if key is not None:  # wake the rank that waits on it (this one re-decides at ``end``)
-            produced[key] = end
-            consumer = owner[dataflow.consumer_stage(key, S)]
-            heapq.heappush(events, (max(clock[consumer], end), consumer))
-        heapq.heappush(events, (end, rank))
+        ranks.place(rank, code, end)
+        key = flow.makes(code)
+        if key is not None:
+            ranks.wake(flow.consumer(key), end)
 
-    while events:
-        now, r = heapq.heappop(events)
-        if now < clock[r]:
+    for now, r in ranks.wakeups():
+        if now < ranks.clock[r]:
             continue
         if pointer[r] < len(prefix[r]):  # the fixed part: in order
             code = prefix[r][pointer[r]]
-            at = arrival(code, r)
+            at = ranks.ready[code]
             if at is None:
-                continue  # woken when its input is produced
+                continue  # woken when its input is made
             if at > now:
-                heapq.heappush(events, (at, r))
+                ranks.wake(r, at)
                 continue
             pointer[r] += 1
             run(r, code, now)
             continue
-        known = [(at, code) for code in tails[r] if (at := arrival(code, r)) is not None]
+        known = [(at, code) for code in tails[r] if (at := ranks.ready[code]) is not None]
         ready = [(bottom(code), -at, code) for at, code in known if at <= now]
         if not ready:
             if known:
-                heapq.heappush(events, (min(at for at, _ in known), r))
+                ranks.wake(r, min(at for at, _ in known))
             continue
         urgency, _, pick = max(ready)
         sooner = [at for at, code in known if at > now and bottom(code) > urgency]
         if sooner and min(sooner) < now + duration(pick):
-            heapq.heappush(events, (min(sooner), r))  # leave the rank free for it
+            ranks.wake(r, min(sooner))  # leave the rank free for it
             continue
         tails[r].remove(pick)
         run(r, pick, now)
-    if any(pointer[r] < len(prefix[r]) or tails[r] for r in range(R)):
+    if any(pointer[r] < len(prefix[r]) or tails[r] for r in range(placement.num_ranks)):
         return schedule  # cannot happen for a valid schedule; keep the original to be safe
-    return Schedule(schedule.name, placement, schedule.num_microbatches, tuple(map(tuple, orders)))
+    orders = tuple(map(tuple, ranks.orders))
+    return Schedule(schedule.name, placement, schedule.num_microbatches, orders)
+
+
+def _bottom_levels(schedule: Schedule, timing: Timing) -> list[float] | None:
+    """Per slot: the longest path from its backward to the end of the step (its own time plus
+    its W, or plus the chain of backwards that read its gradient); None unless every slot has
+    exactly one backward."""
+    S, m = schedule.num_stages, schedule.num_microbatches
+    flow = schedule.dataflow
+    backward_kind = {}
+    for ops in schedule.codes:
+        for code in ops:
+            if code & KIND_MASK in (B_CODE, BW_CODE):
+                backward_kind[code >> KIND_BITS] = code & KIND_MASK
+    if len(backward_kind) != S * m:
+        return None
+    full = (timing.forward, timing.backward, timing.weight, timing.full_backward)
+    level = [0.0] * (S * m)
+    # a backward's gradient is read by a lower stage's backward, so low stages come first
+    for stage in range(S):
+        for mb in range(m):
+            slot = mb * S + stage
+            kind = backward_kind[slot]
+            own = timing.weight[slot] if kind == B_CODE else 0.0
+            below = 0.0
+            reader_kind, reader_stage = flow.reader(produced(kind, stage, mb))
+            if reader_kind != W_CODE:
+                reader = flow.rank(reader_stage, mb)
+                hop = timing.latency if reader != flow.rank(stage, mb) else 0.0
+                below = hop + level[mb * S + reader_stage]
+            level[slot] = full[kind][slot] + max(own, below)
+    return level
 
 
 def sink_weights(

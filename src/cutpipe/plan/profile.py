@@ -1,4 +1,4 @@
-"""Measured costs of a model's items (``cutpipe.plan.measure`` takes them) as a file.
+"""Measured costs of a model's items (``cutpipe.measure`` takes them) as a file.
 
 A ``Profile`` holds one measurement per kind of item (embedding, dense layer, MoE layer, head),
 is written as JSON, and is turned back into the per-item costs of the whole model by
@@ -15,8 +15,9 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 from cutpipe.files import write_text
-from cutpipe.plan.costs import Hardware, ItemCost, ModelSpec, model_items
+from cutpipe.plan.costs import Hardware, ItemCost, model_items
 from cutpipe.records import finite, mapping, require_keys
+from cutpipe.spec import ModelSpec
 
 FORMAT = "cutpipe-profile/1"
 KINDS = ("embedding", "dense_layer", "moe_layer", "head")

@@ -26,7 +26,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cutpipe.plan.costs import Hardware, ItemCost, ModelSpec, model_items, p2p_time, w_memory
+from cutpipe.plan.costs import Hardware, ItemCost, model_items, p2p_time, w_memory
 from cutpipe.plan.partition import (
     groups,
     rank_balanced_sizes,
@@ -37,10 +37,11 @@ from cutpipe.plan.partition import (
 from cutpipe.plan.profile import Profile
 from cutpipe.plan.progress import progress
 from cutpipe.schedule.limits import MAX_OPS
-from cutpipe.schedule.registry import SCHEDULES, schedule_info
+from cutpipe.schedule.registry import schedule_info
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
+from cutpipe.spec import ModelSpec
 
 USABLE_MEMORY = 0.9  # of a GPU's memory, the rest for the framework and fragmentation
 #: The most ops ``recommend`` simulates over all layouts (about a minute of work).
@@ -78,7 +79,7 @@ class Plan:
 
     def schedule_title(self) -> str:
         if self.pp > 1:
-            return SCHEDULES[self.schedule].title
+            return schedule_info(self.schedule).title
         if self.schedule in OVERLAPPING:
             return "no pipeline, F&B overlap"
         return "no pipeline"
@@ -188,7 +189,7 @@ def recommend(
     check_inputs(model, hardware, devices, global_batch, memory, schedules, profile)
     batch = 8 * devices if global_batch is None else global_batch
     capacity = (hardware.memory if memory is None else memory) * USABLE_MEMORY
-    schedules = [schedule_info(name).name for name in schedules]
+    schedules = [schedule_info(name).spec for name in schedules]
     layouts = []
     for pp in divisors(devices):
         dp = devices // pp
@@ -207,9 +208,9 @@ def recommend(
         for ep in eps:
             for name in names:
                 check_size(name, pp, m, batch)
-                if SCHEDULES[name].accepts(pp, m):
+                if schedule_info(name).accepts(pp, m):
                     layouts.append((pp, ep, name, m))
-    simulated = sum(SCHEDULES[name].ops_bound(pp, m) for pp, _, name, m in layouts)
+    simulated = sum(schedule_info(name).ops_bound(pp, m) for pp, _, name, m in layouts)
     if simulated > MAX_SIMULATED_OPS:
         raise ValueError(
             f"recommend would simulate {len(layouts)} layouts of about {simulated:,} ops in all, "
@@ -282,8 +283,7 @@ def check_inputs(
 
 def check_size(name: str, pp: int, microbatches: int, batch: int) -> None:
     """A ValueError if one layout's schedule is over ``MAX_OPS`` (a global batch too large)."""
-    info = SCHEDULES[name]
-    ops = info.ops_bound(pp, microbatches)
+    ops = schedule_info(name).ops_bound(pp, microbatches)
     if ops > MAX_OPS:
         raise ValueError(
             f"a global batch of {batch:,} sequences makes {microbatches:,} microbatches per "

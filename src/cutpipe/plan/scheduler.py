@@ -22,11 +22,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cutpipe.plan import dataflow
 from cutpipe.plan.cooldown import settle_cooldown
-from cutpipe.plan.dataflow import Key
+from cutpipe.plan.events import Ranks
 from cutpipe.plan.progress import progress
-from cutpipe.schedule.codes import Codec
+from cutpipe.schedule.codes import B_CODE, F_CODE, KIND_BITS, KIND_MASK, W_CODE
+from cutpipe.schedule.dataflow import Dataflow, Key, produced
 from cutpipe.schedule.limits import check_size
 from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.registry import schedule_info
@@ -35,8 +35,6 @@ from cutpipe.sim.costs import Costs
 from cutpipe.sim.memory import peak_activations
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
-
-F_KIND, B_KIND, W_KIND = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -66,32 +64,22 @@ def list_schedule(
 ) -> Schedule:
     """One order per rank from greedy list scheduling under ``policy``."""
     R, S = placement.num_ranks, placement.num_stages
-    owner = placement.pipes[0]
-    codec = Codec(S, m)
+    ranks = Ranks(Dataflow(placement, m), costs.comm)
+    flow, codec = ranks.flow, ranks.codec
     f, b, w = (costs.per_stage(n, S) for n in ("f", "b", "w"))
     ep_f, ep_b = costs.per_stage("ep_f", S), costs.per_stage("ep_b", S)
     activation = costs.per_stage("activation", S)
     kept = costs.w_memory
-    comm = costs.comm
     chunks = [sorted(placement.stages_of(r), reverse=policy.later_chunk_first) for r in range(R)]
     next_f = [0] * S  # per stage: next microbatch to forward
-    f_done = [[False] * m for _ in range(S)]
-    inbound_f = [[None] * m for _ in range(S)]  # when F's input arrives at the stage
-    inbound_g = [[None] * m for _ in range(S)]  # when B's gradient arrives at the stage
-    for i in range(m):
-        inbound_f[0][i] = 0.0
-    ready_b: list[list[tuple[float, int, int]]] = [
-        [] for _ in range(R)
-    ]  # heaps of (arrival, stage, mb)
-    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(R)]
-    clock = [0.0] * R
-    memory = [0.0] * R
-    orders: list[list[int]] = [[] for _ in range(R)]
-    remaining = [3 * m * len(chunks[r]) for r in range(R)]
-    waiting: set[int] = set()
-    events = [(0.0, r) for r in range(R)]
-
+    next_code = [codec.action(F_CODE, stage, 0) for stage in range(S)]  # and its op
     in_flight = [0] * S  # per stage: forwards whose backward has not run yet
+    f_done = [[False] * m for _ in range(S)]
+    ready_b: list[list[tuple[float, int, int]]] = [[] for _ in range(R)]  # (arrival, stage, mb)
+    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(R)]
+    memory = [0.0] * R
+    remaining = [3 * m * len(chunks[r]) for r in range(R)]
+    ready = ranks.ready  # when each op's input is on its rank
 
     def fits(rank: int, stage: int) -> bool:
         """An F fits if, after it, a later chunk with nothing in flight can still start: a V
@@ -109,9 +97,9 @@ def list_schedule(
         for priority, stage in enumerate(chunks[rank], start=1):
             if below is not None and priority >= below:
                 break
-            mb = next_f[stage]
-            if mb < m and inbound_f[stage][mb] is not None and fits(rank, stage):
-                times.append(inbound_f[stage][mb])
+            at = ready[next_code[stage]] if next_f[stage] < m else None
+            if at is not None and fits(rank, stage):
+                times.append(at)
         return [t for t in times if t > now]
 
     def due(rank: int, now: float, below: int | None = None) -> float | None:
@@ -122,83 +110,70 @@ def list_schedule(
         """The op ``rank`` starts at ``now``, or None to wait."""
         if ready_b[rank] and ready_b[rank][0][0] <= now:
             _, stage, mb = heapq.heappop(ready_b[rank])
-            return (B_KIND, stage, mb)
+            return (B_CODE, stage, mb)
         if policy.w_before_f and pending_w[rank]:
             stage, mb = pending_w[rank].popleft()
-            return (W_KIND, stage, mb)
+            return (W_CODE, stage, mb)
         for priority, stage in enumerate(chunks[rank], start=1):
-            mb = next_f[stage]
-            if (
-                mb < m
-                and inbound_f[stage][mb] is not None
-                and inbound_f[stage][mb] <= now
-                and fits(rank, stage)
-            ):
+            at = ready[next_code[stage]] if next_f[stage] < m else None
+            if at is not None and at <= now and fits(rank, stage):
                 urgent = due(rank, now, priority)
                 if urgent is None or urgent >= now + f[stage] + ep_f[stage]:
-                    return (F_KIND, stage, mb)
+                    return (F_CODE, stage, next_f[stage])
         if pending_w[rank]:
             stage, mb = pending_w[rank][0]
             urgent = due(rank, now)
             if urgent is None or urgent >= now + w[stage]:
                 pending_w[rank].popleft()
-                return (W_KIND, stage, mb)
+                return (W_CODE, stage, mb)
         return None
 
-    def deliver(stage: int, microbatch: int, at: float, gradient: bool, source: int) -> None:
-        rank = owner[stage]
-        arrival = at + (comm if rank != source else 0.0)
-        if gradient:
-            inbound_g[stage][microbatch] = arrival
-            if f_done[stage][microbatch]:
-                heapq.heappush(ready_b[rank], (arrival, stage, microbatch))
-        else:
-            inbound_f[stage][microbatch] = arrival
-        if rank in waiting:
-            waiting.discard(rank)
-            heapq.heappush(events, (max(arrival, clock[rank]), rank))
+    def backward_ready(key: Key) -> None:
+        """A backward whose forward ran and whose input ``key`` has arrived can start."""
+        kind, stage = flow.reader(key)
+        mb = key[2]
+        if kind == B_CODE and f_done[stage][mb]:
+            at = ready[codec.action(B_CODE, stage, mb)]
+            heapq.heappush(ready_b[flow.consumer(key)], (at, stage, mb))
 
-    while events:
-        now, r = heapq.heappop(events)
+    clock = ranks.clock
+    for now, r in ranks.wakeups():
         if remaining[r] == 0 or now < clock[r]:
             continue
-        now = clock[r] = max(now, clock[r])
+        clock[r] = now
         choice = decide(r, now)
         if choice is None:
             upcoming = arrivals(r, now)
             if upcoming:
-                heapq.heappush(events, (min(upcoming), r))
+                ranks.wake(r, min(upcoming))
             else:
-                waiting.add(r)
+                ranks.park(r)
             continue
         kind, stage, mb = choice
-        orders[r].append(codec.action(kind, stage, mb))
         remaining[r] -= 1
-        if kind == F_KIND:
+        if kind == F_CODE:
+            code = next_code[stage]
             end = now + f[stage] + ep_f[stage]
             memory[r] += activation[stage]
             in_flight[stage] += 1
             next_f[stage] += 1
+            next_code[stage] = codec.action(F_CODE, stage, next_f[stage])
             f_done[stage][mb] = True
-            if stage + 1 < S:
-                deliver(stage + 1, mb, end, gradient=False, source=r)
-            else:
-                deliver(stage, mb, end, gradient=True, source=r)  # the loss: its own gradient
-            if stage < S - 1 and inbound_g[stage][mb] is not None:
-                heapq.heappush(ready_b[r], (inbound_g[stage][mb], stage, mb))
-        elif kind == B_KIND:
+            if (at := ready[codec.action(B_CODE, stage, mb)]) is not None:  # gradient came first
+                heapq.heappush(ready_b[r], (at, stage, mb))
+        elif kind == B_CODE:
+            code = codec.action(kind, stage, mb)
             end = now + b[stage] + ep_b[stage]
             memory[r] -= (1 - kept) * activation[stage]
             in_flight[stage] -= 1
             pending_w[r].append((stage, mb))
-            if stage > 0:
-                deliver(stage - 1, mb, end, gradient=True, source=r)
         else:
+            code = codec.action(kind, stage, mb)
             end = now + w[stage]
             memory[r] -= kept * activation[stage]
-        clock[r] = end
-        if remaining[r]:
-            heapq.heappush(events, (end, r))
+        ranks.place(r, code, end)
+        if kind != W_CODE:
+            backward_ready(produced(kind, stage, mb))
     if any(remaining):
         stuck = [r for r in range(R) if remaining[r]]
         raise ValueError(
@@ -206,7 +181,7 @@ def list_schedule(
             "(a rank must hold at least one activation of each stage it runs)"
         )
     name = "cost-aware" if placement.kind == "linear" else "cost-aware-v"
-    return Schedule(name, placement, m, tuple(tuple(o) for o in orders))
+    return Schedule(name, placement, m, tuple(tuple(o) for o in ranks.orders))
 
 
 def fill_weights(base: Schedule, costs: Costs, cap: float, patient: bool) -> Schedule:
@@ -219,102 +194,73 @@ def fill_weights(base: Schedule, costs: Costs, cap: float, patient: bool) -> Sch
     """
     placement, m = base.placement, base.num_microbatches
     R, S = placement.num_ranks, placement.num_stages
+    ranks = Ranks(base.dataflow, costs.comm)
     codec = base.codec
     w = costs.per_stage("w", S)
     activation = costs.per_stage("activation", S)
-    kept, comm = costs.w_memory, costs.comm
-    owner = placement.pipes[0]
+    kept = costs.w_memory
     timing = costs.timing(base)
-    main = [[c for c in ops if c < 0 or c & 3 != W_KIND] for ops in base.codes]
-    produced: dict[Key, float] = {}
+    durations = (timing.forward, timing.backward, timing.weight, timing.full_backward)
+    main = [[c for c in ops if c < 0 or c & KIND_MASK != W_CODE] for ops in base.codes]
     pointer = [0] * R
-    clock = [0.0] * R
     memory = [0.0] * R
     pending: list[deque[tuple[int, int]]] = [deque() for _ in range(R)]
-    orders: list[list[int]] = [[] for _ in range(R)]
-    waiting: dict[Key, list[int]] = {}
-    events = [(0.0, r) for r in range(R)]
 
-    def inputs(code: int) -> list[Key]:
-        halves = codec.split_pair(code) if code < 0 else (code,)
-        return [key for half in halves if (key := dataflow.awaited(half, S)) is not None]
-
-    def arrival(key: Key, rank: int) -> float | None:
-        if key not in produced:
-            return None
-        _, stage, _ = key
-        return produced[key] + (comm if owner[stage] != rank else 0.0)
+    def halves(code: int) -> tuple[int, ...]:
+        return codec.split_pair(code) if code < 0 else (code,)
 
     def allocation(code: int) -> float:
-        halves = codec.split_pair(code) if code < 0 else (code,)
-        return sum(activation[(h >> 2) % S] for h in halves if h & 3 == F_KIND)
+        return sum(
+            activation[(h >> KIND_BITS) % S] for h in halves(code) if h & KIND_MASK == F_CODE
+        )
 
-    def run_weight(r: int, now: float) -> float:
+    def run_weight(r: int, now: float) -> None:
         stage, mb = pending[r].popleft()
-        orders[r].append(codec.action(W_KIND, stage, mb))
         memory[r] -= kept * activation[stage]
-        return now + w[stage]
+        ranks.place(r, codec.action(W_CODE, stage, mb), now + w[stage])
 
-    while events:
-        now, r = heapq.heappop(events)
-        if now < clock[r] or (pointer[r] >= len(main[r]) and not pending[r]):
+    for now, r in ranks.wakeups():
+        if now < ranks.clock[r] or (pointer[r] >= len(main[r]) and not pending[r]):
             continue
-        now = clock[r]
+        now = ranks.clock[r]
         if pointer[r] >= len(main[r]):  # only weight passes left
-            clock[r] = run_weight(r, now)
-            heapq.heappush(events, (clock[r], r))
+            run_weight(r, now)
             continue
         code = main[r][pointer[r]]
-        times = [arrival(key, r) for key in inputs(code)]
+        times = [ranks.ready[half] for half in halves(code)]
         ready = None if None in times else max([now, *times])
         over = memory[r] + allocation(code) > cap + 1e-9
         if pending[r] and (over or ready is None or ready > now):
             stage = pending[r][0][0]
             if over or not patient or (ready is not None and now + w[stage] <= ready):
-                clock[r] = run_weight(r, now)
-                heapq.heappush(events, (clock[r], r))
+                run_weight(r, now)
                 continue
         if ready is None:  # wait until the producer runs
-            for key, at in zip(inputs(code), times, strict=True):
-                if at is None:
-                    waiting.setdefault(key, []).append(r)
-                    break
+            ranks.park(r, halves(code)[times.index(None)])
             continue
         if ready > now:
-            clock[r] = ready
-            heapq.heappush(events, (ready, r))
+            ranks.clock[r] = ready
+            ranks.wake(r, ready)
             continue
         # run the op
-        orders[r].append(code)
         pointer[r] += 1
         if code < 0:
-            forward, backward = codec.split_pair(code)
-            duration = timing.pair(forward, backward)
-            halves = (forward, backward)
+            duration = timing.pair(*codec.split_pair(code))
         else:
-            slot, kind = code >> 2, code & 3
-            table = (timing.forward, timing.backward, timing.weight, timing.full_backward)[kind]
-            duration = table[slot]
-            halves = (code,)
-        end = now + duration
-        for half in halves:
-            slot, kind = half >> 2, half & 3
-            mb, stage = divmod(slot, S)
-            if kind == F_KIND:
+            duration = durations[code & KIND_MASK][code >> KIND_BITS]
+        for half in halves(code):
+            mb, stage = divmod(half >> KIND_BITS, S)
+            kind = half & KIND_MASK
+            if kind == F_CODE:
                 memory[r] += activation[stage]
             else:
-                memory[r] -= activation[stage] * (1 - kept if kind == B_KIND else 1.0)
-                if kind == B_KIND:
+                memory[r] -= activation[stage] * (1 - kept if kind == B_CODE else 1.0)
+                if kind == B_CODE:
                     pending[r].append((stage, mb))
-            key = dataflow.produced(half, S)
-            produced[key] = end
-            for rank in waiting.pop(key, []):
-                heapq.heappush(events, (max(clock[rank], end), rank))
-        clock[r] = end
-        heapq.heappush(events, (end, r))
+        ranks.place(r, code, now + duration)
     if any(pointer[r] < len(main[r]) or pending[r] for r in range(R)):
         raise ValueError(f"{base.name}: its order of forwards and backwards cannot run")
-    return Schedule(f"{base.name}+w", placement, m, tuple(tuple(o) for o in orders))
+    return Schedule(f"{base.name}+w", placement, m, tuple(tuple(o) for o in ranks.orders))
 
 
 def improve(

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from cutpipe.runtime.heartbeat import Progress
 from cutpipe.runtime.program import ACTIVATION, MessageKey, Parcel, RankProgram
+from cutpipe.schedule.dataflow import forward_input
 
 if TYPE_CHECKING:
     from cutpipe.runtime.protocols import TransportContext
@@ -248,10 +249,9 @@ class Mailbox:
 
     def _meta(self, key: MessageKey) -> Meta | None:
         """The cached shapes of a message (a gradient's follow from its activation's)."""
-        direction, stage, microbatch = key
-        if direction == ACTIVATION:
+        if key[0] == ACTIVATION:
             return self._learned.get(key)
-        boundary = self._learned.get((ACTIVATION, stage - 1, microbatch))
+        boundary = self._learned.get(forward_input(key[1], key[2]))
         if boundary is None:
             raise RuntimeError(f"gradient {key} arrives before its activation was seen")
         return gradient_meta(boundary)

@@ -42,6 +42,12 @@ import torch.distributed as dist
 from cutpipe.runtime.diagnosis import find_stall
 from cutpipe.runtime.heartbeat import Beat, Progress, process_state, this_host
 
+#: how long closing waits for the watchdog thread to leave a store call. A daemon thread still
+#: inside torch's C++ when the interpreter exits is unwound by force, which aborts the process
+#: ("terminate called without an active exception"), so this is generous: a store call ends in
+#: milliseconds unless the store's host is gone.
+STOP_WAIT = 10.0
+
 #: the base store's key under which a process leaves a word on why it exited
 EXIT_KEY = "cutpipe/exit/{rank}"
 
@@ -64,7 +70,7 @@ def leave_word(store: dist.Store, global_rank: int, message: str) -> None:
 
     writer = threading.Thread(target=write, daemon=True)
     writer.start()
-    writer.join(timeout=2.0)
+    writer.join(timeout=STOP_WAIT)
 
 
 def exit_word(store: dist.Store, global_rank: int) -> str | None:
@@ -187,7 +193,7 @@ class Guard:
         self._closed = True
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=2 * self._heartbeat)
+        self._thread.join(timeout=STOP_WAIT)
         atexit.unregister(self._at_exit)
         with contextlib.suppress(Exception):
             self._beat()
@@ -246,6 +252,8 @@ class Guard:
         for peer in range(self._world):
             if peer == self._rank:
                 continue
+            if self._stop.is_set():  # closing: leave the store alone
+                break
             try:
                 if not self._store.check([f"beat/{peer}"]):
                     continue
@@ -327,7 +335,7 @@ class Guard:
         and say why the rank is going, if known."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=2 * self._heartbeat)
+        self._thread.join(timeout=STOP_WAIT)
         error = getattr(sys, "last_value", None)
         reason = f" with {type(error).__name__}: {error}" if error is not None else ""
         progress = self._progress

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cutpipe.schedule.codes import B_CODE, BW_CODE, F_CODE, KIND_BITS, KIND_MASK
+from cutpipe.schedule.codes import B_CODE, F_CODE, KIND_MASK
+from cutpipe.schedule.dataflow import ACTIVATION, GRADIENT, Key
 from cutpipe.schedule.schedule import Schedule
 
-ACTIVATION, GRADIENT = 0, 1
-
-#: A message between ranks: (ACTIVATION, stage, microbatch) is the output of ``stage``'s forward;
-#: (GRADIENT, stage, microbatch) is the gradient of ``stage``'s input, sent back to ``stage - 1``.
-MessageKey = tuple[int, int, int]
+#: A message between ranks: a ``cutpipe.schedule.dataflow`` key. (ACTIVATION, stage, microbatch)
+#: is the output of ``stage``'s forward; (GRADIENT, stage, microbatch) is the gradient of
+#: ``stage``'s input, which the backward of the stage before reads.
+MessageKey = Key
 #: The messages one op sends to one rank, which travel together as one transfer.
 Parcel = tuple[MessageKey, ...]
 
@@ -33,21 +33,18 @@ class Instruction:
     target: int | None  # rank the output goes to; None: this rank, or nowhere
     first: bool  # first stage of the model: the forward reads the batch
     last: bool  # last stage: the forward computes the loss, the backward starts from it
+    awaits: MessageKey | None  # the value it waits for, from whichever rank; None: the batch
+    makes: MessageKey | None  # the value it makes; None for a W
 
     @property
     def receives(self) -> MessageKey | None:
-        if self.source is None:
-            return None
-        if self.kind == F_CODE:
-            return (ACTIVATION, self.stage - 1, self.microbatch)
-        return (GRADIENT, self.stage + 1, self.microbatch)
+        """The message it receives from another rank, if any."""
+        return None if self.source is None else self.awaits
 
     @property
     def sends(self) -> MessageKey | None:
-        if self.target is None:
-            return None
-        direction = ACTIVATION if self.kind == F_CODE else GRADIENT
-        return (direction, self.stage, self.microbatch)
+        """The message it sends to another rank, if any."""
+        return None if self.target is None else self.makes
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,29 +117,20 @@ class RankProgram:
     def stages(self) -> tuple[int, ...]:
         return self.schedule.placement.stages_of(self.rank)
 
-    def _instruction(self, code: int, rank: int) -> Instruction:
-        schedule = self.schedule
-        S = schedule.num_stages
-        microbatch, stage = divmod(code >> KIND_BITS, S)
-        kind = code & KIND_MASK
-        ranks = schedule.placement.pipes[schedule.pipe_of(microbatch)]
-        if kind == F_CODE:
-            before = ranks[stage - 1] if stage > 0 else rank
-            after = ranks[stage + 1] if stage < S - 1 else rank
-        elif kind in (B_CODE, BW_CODE):
-            before = ranks[stage + 1] if stage < S - 1 else rank
-            after = ranks[stage - 1] if stage > 0 else rank
-        else:
-            before = after = rank
+    def _instruction(self, code: int) -> Instruction:
+        flow = self.schedule.dataflow
+        kind, stage, microbatch = flow.unpack(code)
         return Instruction(
             kind=kind,
             stage=stage,
             microbatch=microbatch,
             code=code,
-            source=None if before == rank else before,
-            target=None if after == rank else after,
+            source=flow.source(kind, stage, microbatch),
+            target=flow.destination(kind, stage, microbatch),
             first=stage == 0,
-            last=stage == S - 1,
+            last=stage == flow.num_stages - 1,
+            awaits=flow.awaits(code),
+            makes=flow.makes(code),
         )
 
     def _instructions(self, rank: int) -> list[Op]:
@@ -150,10 +138,10 @@ class RankProgram:
         ops: list[Op] = []
         for code in self.schedule.codes[rank]:
             if code < 0:
-                forward, backward = (self._instruction(c, rank) for c in split(code))
+                forward, backward = (self._instruction(c) for c in split(code))
                 ops.append(forward if self.forward_only else Pair(forward, backward, code))
             elif not self.forward_only or code & KIND_MASK == F_CODE:
-                ops.append(self._instruction(code, rank))
+                ops.append(self._instruction(code))
         return ops
 
 

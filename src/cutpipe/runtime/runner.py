@@ -40,7 +40,7 @@ from cutpipe.runtime.comm import HEADER_LENGTH, PeerLost, encode_header, meta_of
 from cutpipe.runtime.guard import Guard, PipelineError
 from cutpipe.runtime.heartbeat import Progress
 from cutpipe.runtime.options import RunnerOptions
-from cutpipe.runtime.program import ACTIVATION, GRADIENT, Instruction, Pair, RankProgram, halves
+from cutpipe.runtime.program import Instruction, Pair, RankProgram, halves
 from cutpipe.runtime.protocols import (
     Executor,
     ExecutorContext,
@@ -494,7 +494,7 @@ class PipelineRunner:
         if ins.first:
             return batch[ins.microbatch] if batch is not None else ()
         if ins.source is None:
-            return self._handoff.pop((ACTIVATION, ins.stage - 1, ins.microbatch))
+            return self._handoff.pop(ins.awaits)
         assert self._transport is not None
         return self._transport.receive(ins.receives, ins.source)
 
@@ -502,7 +502,7 @@ class PipelineRunner:
         if ins.last:
             return None
         if ins.source is None:
-            return self._handoff.pop((GRADIENT, ins.stage + 1, ins.microbatch))
+            return self._handoff.pop(ins.awaits)
         assert self._transport is not None
         return self._transport.receive(ins.receives, ins.source)
 
@@ -512,8 +512,7 @@ class PipelineRunner:
         for half, value in zip(halves(op), outputs, strict=True):
             if value is None:
                 continue
-            direction = ACTIVATION if half.kind == F_CODE else GRADIENT
-            key = (direction, half.stage, half.microbatch)
+            key = half.makes
             if half.target is None:
                 self._handoff[key] = value
             else:
@@ -566,11 +565,14 @@ class PipelineRunner:
         return Timeline(self.schedule, starts, ends, unit="s", source="measured")
 
     def close(self) -> None:
-        """Stop the heartbeat and give the stage modules their own layers back."""
+        """Stop the heartbeat, give the stage modules their own layers back, and let go of the
+        process groups, so that ``destroy_process_group`` really ends them."""
         if self._guard is not None:
             self._guard.close()
             self._guard = None
         self._executor.close()
+        self._transport = None
+        self._collectives = Alone()
 
     def __enter__(self) -> PipelineRunner:
         return self

@@ -5,6 +5,10 @@ stages, with microbatches taken in order. The builder numbers the microbatches, 
 every split backward (first in, first out, per stage or across the rank), pairs overlapped F&B
 steps, and skips steps whose microbatch is beyond the stage's count. That last rule lets a
 schedule written for a minimum microbatch count run fewer, the way PyTorch's ZB-V does.
+
+Backwards take the microbatches in the order the forwards did, unless ``reverse_backwards`` is
+set: then the newest microbatch goes back first, as in breadth-first (looped) schedules, which
+run a stage's whole backward wave right after its forward wave.
 """
 
 from __future__ import annotations
@@ -20,12 +24,18 @@ class RankBuilder:
     """Emits the op codes of one rank."""
 
     def __init__(
-        self, codec: Codec, microbatches: Mapping[int, Iterable[int]], steps: int = 0
+        self,
+        codec: Codec,
+        microbatches: Mapping[int, Iterable[int]],
+        steps: int = 0,
+        reverse_backwards: bool = False,
     ) -> None:
         """``microbatches`` maps each stage this rank runs to the microbatch ids it runs, in order.
 
         ``steps``: how many steps per stage the schedule is written for, if more than it has
-        microbatches; the steps past the last microbatch are skipped.
+        microbatches; the steps past the last microbatch are skipped. ``reverse_backwards``: the
+        backwards of a stage take its microbatches last first (skipped steps, being the
+        newest, come first).
         """
         self._codec = codec
         streams = {}
@@ -34,7 +44,10 @@ class RankBuilder:
             streams[stage] = codes + [None] * (steps - len(codes))
         # each step takes the next code (None: a skipped microbatch); running out is a bug
         self._forwards = {stage: iter(codes) for stage, codes in streams.items()}
-        self._backwards = {stage: iter(codes) for stage, codes in streams.items()}
+        self._backwards = {
+            stage: iter(codes[::-1] if reverse_backwards else codes)
+            for stage, codes in streams.items()
+        }
         self._pending_w: deque[int] = deque()  # W codes in the order their B ran
         self._pending_w_of: dict[int, deque[int]] = {stage: deque() for stage in streams}
         self.codes: list[int] = []

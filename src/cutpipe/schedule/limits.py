@@ -24,18 +24,23 @@ def estimated_ops(stages: int, microbatches: int, kinds: int = 3, steps: int = 1
 
 def check_size(
     name: str, ranks: int, stages: int, microbatches: int, kinds: int = 3, steps: int = 1,
-    limit: int = MAX_OPS,
+    limit: int = MAX_OPS, per_rank: str = "",
 ) -> None:  # fmt: skip
-    """A ValueError naming the limit and what to change if the schedule would be too large."""
+    """A ValueError naming the limit and what to change if the schedule would be too large.
+
+    ``per_rank``: the parameter that sets the stages per rank (``"chunks"``), if one does: the
+    message then offers fewer of those too.
+    """
     ops = estimated_ops(stages, microbatches, kinds, steps)
     if ops <= limit:
         return
     most = limit // (stages * kinds)
-    change = (
-        f"use at most {most:,} microbatches on {ranks:,} ranks"
-        if most >= max(1, steps)
-        else "use fewer ranks"
-    )
+    if most >= max(1, steps):
+        change = f"use at most {most:,} microbatches on {ranks:,} ranks"
+        if per_rank:
+            change += f" with {stages // ranks:,} {per_rank}, or fewer {per_rank}"
+    else:
+        change = f"use fewer ranks{f' or {per_rank}' if per_rank else ''}"
     walked = max(microbatches, steps)
     raise ValueError(
         f"{name} on {ranks:,} ranks with {microbatches:,} microbatches would hold about {ops:,} "

@@ -98,10 +98,6 @@ class Placement:
     def num_pipes(self) -> int:
         return len(self.pipes)
 
-    def rank_of(self, stage: int, pipe: int = 0) -> int:
-        """The rank that runs ``stage`` for microbatches of ``pipe``."""
-        return self.pipes[pipe][stage]
-
     @cached_property
     def _holdings(self) -> tuple[tuple[tuple[int, int], ...], ...]:
         held: list[list[tuple[int, int]]] = [[] for _ in range(self.num_ranks)]
@@ -109,10 +105,6 @@ class Placement:
             for stage, rank in enumerate(ranks):
                 held[rank].append((pipe, stage))
         return tuple(tuple(h) for h in held)
-
-    def holdings(self, rank: int) -> tuple[tuple[int, int], ...]:
-        """The (pipe, stage) pairs ``rank`` runs, pipe by pipe in data-flow order."""
-        return self._holdings[rank]
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The distinct stages whose parameters ``rank`` stores, in data-flow order."""

@@ -1,8 +1,8 @@
 """The ``Schedule``: a placement, a microbatch count, and one ordered list of ops per rank.
 
 Communication is never written into a schedule: who sends what to whom follows from the placement
-(``source`` and ``destination`` below), so the simulator, the validator and the runtime all derive
-the same sends and receives.
+and one dependency rule (``dataflow``, see ``cutpipe.schedule.dataflow``), so the simulator, the
+validator and the runtime all derive the same sends and receives.
 
 Ops are stored as packed ints (``codes``, see ``cutpipe.schedule.codes``); ``actions`` decodes them
 into ``Action`` / ``Overlap`` objects on first use.
@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from cutpipe.records import listed, require_keys, whole
-from cutpipe.schedule.actions import Action, Kind, Op, parse_op
+from cutpipe.schedule.actions import Action, Op, parse_op
 from cutpipe.schedule.codes import Codec
+from cutpipe.schedule.dataflow import Dataflow
 from cutpipe.schedule.placement import Placement
 
 
@@ -80,40 +81,26 @@ class Schedule:
         decode = self.codec.decode
         return tuple(tuple(map(decode, ops)) for ops in self.codes)
 
-    @cached_property
+    @property
     def pipe_table(self) -> list[int]:
         """The pipe of every microbatch, indexable in hot loops."""
-        return self.placement.pipe_table(self.num_microbatches)
+        return self.dataflow.pipes
 
     def pipe_of(self, microbatch: int) -> int:
         return self.pipe_table[microbatch]
 
-    def rank_of(self, stage: int, microbatch: int) -> int:
-        """The rank that runs ``stage`` for ``microbatch``."""
-        return self.placement.pipes[self.pipe_table[microbatch]][stage]
-
-    def _neighbour_rank(self, action: Action, toward_input: bool) -> int | None:
-        stage, kind = action.stage, action.kind
-        if kind in (Kind.W, Kind.FB):
-            return None
-        downstream = (kind is Kind.F) != toward_input
-        neighbour = stage + 1 if downstream else stage - 1
-        if not 0 <= neighbour < self.num_stages:
-            return None
-        ranks = self.placement.pipes[self.pipe_table[action.microbatch]]
-        return None if ranks[neighbour] == ranks[stage] else ranks[neighbour]
+    @cached_property
+    def dataflow(self) -> Dataflow:
+        """What each op waits for and makes, and on which ranks (``cutpipe.schedule.dataflow``)."""
+        return Dataflow(self.placement, self.num_microbatches)
 
     def source(self, action: Action) -> int | None:
-        """The rank that sends this action its input, or None if the input is local.
-
-        An F receives the activation from the previous stage, a B or BW the gradient from the
-        next stage; a W and the first (F) or last (B) stage receive nothing.
-        """
-        return self._neighbour_rank(action, toward_input=True)
+        """The rank that sends this action its input, or None if the input is local."""
+        return self.dataflow.source(*action)
 
     def destination(self, action: Action) -> int | None:
         """The rank this action sends its output to, or None if it stays on this rank."""
-        return self._neighbour_rank(action, toward_input=False)
+        return self.dataflow.destination(*action)
 
     def text(self) -> str:
         """Per-rank op lists in PyTorch's notation, one rank per line."""

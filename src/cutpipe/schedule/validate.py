@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from cutpipe.schedule.actions import Action, Kind
 from cutpipe.schedule.codes import B_CODE, BW_CODE, F_CODE, KIND_BITS, KIND_MASK, W_CODE
+from cutpipe.schedule.dataflow import ACTIVATION, Key
 from cutpipe.schedule.schedule import Schedule
 
 
@@ -46,7 +47,8 @@ class Timing:
 
     ``forward``, ``backward``, ``weight`` and ``full_backward`` hold one duration per slot
     (``microbatch * S + stage``); ``pair(forward_code, backward_code)`` gives an overlapped pair's;
-    ``latency`` is added to every input that crosses ranks.
+    ``latency`` is added to every input that crosses ranks. A pair's time is asked once per
+    (stages, backward kind) unless ``pairs_vary`` (each pair has its own, e.g. measured, time).
     """
 
     forward: Sequence[float]
@@ -55,6 +57,7 @@ class Timing:
     full_backward: Sequence[float]
     pair: Callable[[int, int], float]
     latency: float = 0.0
+    pairs_vary: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,45 +68,24 @@ class Walk:
     ends: tuple[list[float], ...]
 
 
-def _per_slot(schedule: Schedule, per_stage: Callable[[tuple[int, ...]], list]) -> list:
-    """Expand a per-stage pattern (computed from a pipe's stage-to-rank list) to every slot."""
-    placement, m = schedule.placement, schedule.num_microbatches
-    out: list = []
-    for pipe, ranks in enumerate(placement.pipes):
-        out.extend(per_stage(ranks) * len(placement.microbatches_of(pipe, m)))
-    return out
-
-
-def slot_owners(schedule: Schedule) -> list[int]:
-    """The rank that runs each slot (``microbatch * S + stage``), from the placement."""
-    return _per_slot(schedule, list)
-
-
-def _crossing_latency(schedule: Schedule, latency: float, step: int) -> list[float]:
-    """Per slot: ``latency`` if the input from stage s+step comes from another rank, else 0."""
-    S = schedule.num_stages
-
-    def pattern(ranks: tuple[int, ...]) -> list[float]:
-        return [
-            latency if 0 <= s + step < S and ranks[s + step] != ranks[s] else 0.0 for s in range(S)
-        ]
-
-    return _per_slot(schedule, pattern)
-
-
 def walk(schedule: Schedule, timing: Timing | None = None) -> Walk:
     """Execute the schedule in dependency order; raise ``ScheduleError`` if it cannot run.
 
-    Ranks run until they block on an input; a blocked rank waits on the slot it needs and the op
-    that produces that slot puts it back on the run stack. Start and end times follow from the
-    dependencies alone, so the order in which ranks are advanced does not change them.
+    Ranks run until they block on an input; a blocked rank waits on the value it needs and the op
+    that makes that value puts it back on the run stack. Start and end times follow from the
+    dependencies alone, so the order in which ranks are advanced does not change them. What each
+    op waits for comes from ``schedule.dataflow`` (``Dataflow.inputs``, one small table); a W's
+    own B and a backward's own forward are also checked as order on the rank, so that running
+    them out of order is named rather than waited on.
     """
     S, m, R = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
     slots = S * m
-    owners = slot_owners(schedule)
+    flow = schedule.dataflow
+    owners = flow.owners
+    gradients = flow.gradients  # a slot's gradient sits at ``gradients + slot``
     if timing is None:
         zeros = [0.0] * slots
-        dur_f = dur_b = dur_w = dur_bw = lat_f = lat_b = zeros
+        dur_f = dur_b = dur_w = dur_bw = zeros
         pair_time: Callable[[int, int], float] = lambda _f, _b: 0.0  # noqa: E731
     else:
         dur_f, dur_b, dur_w, dur_bw = (
@@ -112,18 +94,17 @@ def walk(schedule: Schedule, timing: Timing | None = None) -> Walk:
             timing.weight,
             timing.full_backward,
         )
-        lat_f = _crossing_latency(schedule, timing.latency, -1)
-        lat_b = _crossing_latency(schedule, timing.latency, +1)
         pair_time = timing.pair
+    cache_pairs = timing is None or not timing.pairs_vary
+    # what each op waits for, indexed by ``code % width``: see ``Dataflow.inputs``
+    inputs = flow.inputs(timing.latency if timing is not None else 0.0)
+    width = len(inputs)
     span = slots << KIND_BITS
-    last = S - 1
 
-    f_end: list[float | None] = [None] * slots  # when each slot's F output is ready
-    g_end: list[float | None] = [None] * slots  # when each slot's input gradient is ready
+    made: list[float | None] = [None] * (2 * slots)  # when each activation, then gradient, is ready
+    waiter = [-1] * (2 * slots)  # the rank blocked on each value
     split = bytearray(slots)  # slot ran B (its W is still due or done)
     w_done = bytearray(slots)  # slot's weight gradient is done (W or BW)
-    f_waiter = [-1] * slots  # rank blocked on each slot's F output
-    g_waiter = [-1] * slots  # rank blocked on each slot's input gradient
 
     codes = schedule.codes
     pointer = [0] * R
@@ -131,7 +112,7 @@ def walk(schedule: Schedule, timing: Timing | None = None) -> Walk:
     starts = tuple([0.0] * len(ops) for ops in codes)
     ends = tuple([0.0] * len(ops) for ops in codes)
     runnable = [r for r in reversed(range(R)) if codes[r]]
-    pair_cache: dict[int, float] = {}  # pair duration by (forward stage, backward stage, kind)
+    pair_cache: dict[int, float] = {}  # pair durations by (forward, backward) codes % width
 
     # The hot loop: it runs once per op, so it works on the packed codes directly.
     while runnable:
@@ -146,51 +127,48 @@ def walk(schedule: Schedule, timing: Timing | None = None) -> Walk:
                 if owners[slot] != r:
                     raise _wrong_rank_error(schedule, r, code, owners[slot])
                 kind = code & KIND_MASK
-                if kind == F_CODE:
-                    if slot % S:
-                        ready = f_end[slot - 1]
-                        if ready is None:
-                            f_waiter[slot - 1] = r
-                            break
-                        ready += lat_f[slot]
-                        if ready > t:
-                            t = ready
-                    if f_end[slot] is not None:
-                        raise _duplicate_error(schedule, r, code)
-                    start_list[p] = t
-                    t += dur_f[slot]
-                    f_end[slot] = t
-                    if f_waiter[slot] >= 0:
-                        runnable.append(f_waiter[slot])
-                elif kind == W_CODE:
+                if kind == W_CODE:
                     if not split[slot] or w_done[slot]:
                         raise _weight_error(schedule, r, code, bool(w_done[slot]))
                     start_list[p] = t
                     t += dur_w[slot]
                     w_done[slot] = 1
                 else:
-                    if f_end[slot] is None:
-                        raise _order_error(schedule, r, code, slot << KIND_BITS)
-                    if slot % S != last:
-                        ready = g_end[slot + 1]
+                    step, delay = inputs[code % width]
+                    if step is not None:  # wait for the value it reads
+                        ready = made[slot + step]
                         if ready is None:
-                            g_waiter[slot + 1] = r
+                            if kind != F_CODE and made[slot] is None:  # named before it waits
+                                raise _order_error(schedule, r, code, slot << KIND_BITS)
+                            waiter[slot + step] = r
                             break
-                        ready += lat_b[slot]
+                        ready += delay
                         if ready > t:
                             t = ready
-                    if g_end[slot] is not None:
-                        raise _duplicate_error(schedule, r, code)
-                    start_list[p] = t
-                    if kind == BW_CODE:
-                        t += dur_bw[slot]
-                        w_done[slot] = 1
+                    if kind == F_CODE:
+                        if made[slot] is not None:
+                            raise _duplicate_error(schedule, r, code)
+                        start_list[p] = t
+                        t += dur_f[slot]
+                        made[slot] = t
+                        if waiter[slot] >= 0:
+                            runnable.append(waiter[slot])
                     else:
-                        t += dur_b[slot]
-                        split[slot] = 1
-                    g_end[slot] = t
-                    if g_waiter[slot] >= 0:
-                        runnable.append(g_waiter[slot])
+                        if made[slot] is None:
+                            raise _order_error(schedule, r, code, slot << KIND_BITS)
+                        gradient = gradients + slot
+                        if made[gradient] is not None:
+                            raise _duplicate_error(schedule, r, code)
+                        start_list[p] = t
+                        if kind == BW_CODE:
+                            t += dur_bw[slot]
+                            w_done[slot] = 1
+                        else:
+                            t += dur_b[slot]
+                            split[slot] = 1
+                        made[gradient] = t
+                        if waiter[gradient] >= 0:
+                            runnable.append(waiter[gradient])
             else:
                 forward, backward = divmod(-1 - code, span)
                 f_slot, b_slot = forward >> KIND_BITS, backward >> KIND_BITS
@@ -200,52 +178,50 @@ def walk(schedule: Schedule, timing: Timing | None = None) -> Walk:
                     raise _wrong_rank_error(schedule, r, forward, owners[f_slot])
                 if owners[b_slot] != r:
                     raise _wrong_rank_error(schedule, r, backward, owners[b_slot])
-                if f_end[b_slot] is None:
+                if made[b_slot] is None:
                     raise _order_error(schedule, r, backward, b_slot << KIND_BITS)
-                begin = t
-                if f_slot % S:
-                    ready = f_end[f_slot - 1]
-                    if ready is None:
-                        f_waiter[f_slot - 1] = r
-                        break
-                    ready += lat_f[f_slot]
-                    if ready > begin:
-                        begin = ready
-                if b_slot % S != last:
-                    ready = g_end[b_slot + 1]
-                    if ready is None:
-                        g_waiter[b_slot + 1] = r
-                        break
-                    ready += lat_b[b_slot]
-                    if ready > begin:
-                        begin = ready
-                if f_end[f_slot] is not None:
+                # the pair starts when the inputs of both halves are there
+                f_at, b_at = forward % width, backward % width
+                f_step, f_delay = inputs[f_at]
+                b_step, b_delay = inputs[b_at]
+                f_ready = t if f_step is None else made[f_slot + f_step]
+                b_ready = t if b_step is None else made[b_slot + b_step]
+                if f_ready is None or b_ready is None:
+                    waiter[f_slot + f_step if f_ready is None else b_slot + b_step] = r
+                    break
+                f_ready += f_delay
+                b_ready += b_delay
+                begin = f_ready if f_ready > t else t
+                if b_ready > begin:
+                    begin = b_ready
+                b_gradient = gradients + b_slot
+                if made[f_slot] is not None:
                     raise _duplicate_error(schedule, r, forward)
-                if g_end[b_slot] is not None:
+                if made[b_gradient] is not None:
                     raise _duplicate_error(schedule, r, backward)
-                key = ((f_slot % S) * S + b_slot % S) * 4 + (backward & KIND_MASK)
-                duration = pair_cache.get(key)
+                key = f_at * width + b_at  # the stages and the backward's kind, at least
+                duration = pair_cache.get(key) if cache_pairs else None
                 if duration is None:
                     duration = pair_cache[key] = pair_time(forward, backward)
                 start_list[p] = begin
                 t = begin + duration
-                f_end[f_slot] = g_end[b_slot] = t
+                made[f_slot] = made[b_gradient] = t
                 if backward & KIND_MASK == BW_CODE:
                     w_done[b_slot] = 1
                 else:
                     split[b_slot] = 1
-                if f_waiter[f_slot] >= 0:
-                    runnable.append(f_waiter[f_slot])
-                if g_waiter[b_slot] >= 0:
-                    runnable.append(g_waiter[b_slot])
+                if waiter[f_slot] >= 0:
+                    runnable.append(waiter[f_slot])
+                if waiter[b_gradient] >= 0:
+                    runnable.append(waiter[b_gradient])
             end_list[p] = t
             p += 1
         pointer[r], clock[r] = p, t
 
     if any(pointer[r] < len(codes[r]) for r in range(R)):
-        raise _stall_error(schedule, pointer, owners)
-    if None in f_end or None in g_end or 0 in w_done:
-        raise _missing_error(schedule, f_end, g_end, w_done, owners)
+        raise _stall_error(schedule, pointer)
+    if None in made or 0 in w_done:
+        raise _missing_error(schedule, made, w_done, owners)
     return Walk(starts, ends)
 
 
@@ -335,41 +311,22 @@ def _halves(schedule: Schedule, code: int) -> tuple[int, ...]:
     return schedule.codec.split_pair(code) if code < 0 else (code,)
 
 
-def _output_key(code: int) -> tuple[int, str] | None:
-    """What a single action produces for others: ("F", slot) or ("G", slot) for a gradient."""
-    kind = code & KIND_MASK
-    if kind == W_CODE:
-        return None
-    return (code >> KIND_BITS, "F" if kind == F_CODE else "G")
-
-
-def _needed_key(schedule: Schedule, code: int) -> tuple[int, str] | None:
-    """The output a single action receives from a neighbouring stage, or None."""
-    slot, kind = code >> KIND_BITS, code & KIND_MASK
-    stage = slot % schedule.num_stages
-    if kind == F_CODE and stage > 0:
-        return (slot - 1, "F")
-    if kind in (B_CODE, BW_CODE) and stage < schedule.num_stages - 1:
-        return (slot + 1, "G")
-    return None
-
-
-def _key_text(schedule: Schedule, key: tuple[int, str]) -> str:
-    slot, what = key
-    microbatch, stage = divmod(slot, schedule.num_stages)
-    if what == "F":
+def _key_text(key: Key) -> str:
+    what, stage, microbatch = key
+    if what == ACTIVATION:
         return str(Action(Kind.F, stage, microbatch))
     return f"{Action(Kind.B, stage, microbatch)}/{Action(Kind.BW, stage, microbatch)}"
 
 
-def _stall_error(schedule: Schedule, pointer: list[int], owners: list[int]) -> ScheduleError:
+def _stall_error(schedule: Schedule, pointer: list[int]) -> ScheduleError:
     """No rank can move: explain each waiting rank, naming missing ops, self-waits or a cycle."""
-    produced: set[tuple[int, str]] = set()
-    position: dict[tuple[int, str], tuple[int, int]] = {}
+    flow = schedule.dataflow
+    produced: set[Key] = set()
+    position: dict[Key, tuple[int, int]] = {}
     for r, ops in enumerate(schedule.codes):
         for p, code in enumerate(ops):
             for half in _halves(schedule, code):
-                key = _output_key(half)
+                key = flow.makes(half)
                 if key is None:
                     continue
                 position.setdefault(key, (r, p))
@@ -381,11 +338,11 @@ def _stall_error(schedule: Schedule, pointer: list[int], owners: list[int]) -> S
         if pointer[r] >= len(ops):
             continue
         for half in _halves(schedule, ops[pointer[r]]):
-            need = _needed_key(schedule, half)
+            need = flow.awaits(half)
             if need is None or need in produced:
                 continue
-            action, need_text = _show(schedule, half), _key_text(schedule, need)
-            producer = owners[need[0]]
+            action, need_text = _show(schedule, half), _key_text(need)
+            producer = flow.producer(need)
             where = position.get(need)
             if where is None:
                 return ScheduleError(
@@ -418,19 +375,15 @@ def _stall_error(schedule: Schedule, pointer: list[int], owners: list[int]) -> S
 
 
 def _missing_error(
-    schedule: Schedule,
-    f_end: list[float | None],
-    g_end: list[float | None],
-    w_done: bytearray,
-    owners: list[int],
+    schedule: Schedule, made: list[float | None], w_done: bytearray, owners: list[int]
 ) -> ScheduleError:
-    S = schedule.num_stages
-    for slot in range(len(f_end)):
+    S, gradients = schedule.num_stages, schedule.dataflow.gradients
+    for slot in range(len(w_done)):
         microbatch, stage = divmod(slot, S)
         owner = owners[slot]
-        if f_end[slot] is None:
+        if made[slot] is None:
             missing = Action(Kind.F, stage, microbatch)
-        elif g_end[slot] is None:
+        elif made[gradients + slot] is None:
             missing = Action(Kind.BW, stage, microbatch)
         elif not w_done[slot]:
             missing = Action(Kind.W, stage, microbatch)

@@ -1,8 +1,9 @@
-"""The seed's comparison: 1F1B, DualPipe, Cut-in-half, ZB-H1 and ZB-V on the same devices.
+"""1F1B, DualPipe, Cut-in-half, ZB-H1 and ZB-V on the same devices, beside their closed forms.
 
-Costs are given per 1F1B stage (one device's share of the model). Schedules whose stages are
-smaller (the V-shapes split each device's share into two stages) get proportionally smaller
-stage costs, so every row trains the same model on the same number of devices.
+The default lineup and costs are those of the Cut-in-half report's comparison table (see
+docs/formulas.md). Costs are given per device share (one 1F1B stage: 1/R of the model); a
+schedule with S stages on R ranks gets R/S of them per stage (``stage_costs``), so every row
+trains the same model on the same number of devices.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cutpipe.schedule.registry import generate, schedule_info
+from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.formulas import CLOSED_FORMS, predicted_bubble, simulated_bubble
 from cutpipe.sim.metrics import Metrics, metrics
 from cutpipe.sim.simulate import simulate
 
-#: The seed's lineup, in its order.
-SEED_SCHEDULES = ("1f1b", "dualpipe", "dualpipev", "zbh1", "zbv")
+#: The schedules of the comparison table with closed forms (docs/formulas.md), in its order.
+DEFAULT_SCHEDULES = ("1f1b", "dualpipe", "dualpipev", "zbh1", "zbv")
 #: The embedded default: 8 devices, F = B = W = 1 per device share, an F&B pair saving half a unit.
 DEFAULT_RANKS = 8
 DEFAULT_MICROBATCHES = 32
@@ -56,16 +58,23 @@ def _ep_volume(result: Metrics) -> float:
     return result.ep_alltoalls / result.stages
 
 
-def stage_costs(name: str, costs: Costs) -> Costs:
-    """Per-stage costs for ``name`` from costs given per device share (V-shapes: halved)."""
-    return costs.scaled(0.5) if schedule_info(name).placement == "v" else costs
+def stage_costs(schedule: Schedule, costs: Costs) -> Costs:
+    """Per-stage costs for ``schedule`` from costs given per device share.
+
+    A schedule with S stages on R ranks cuts the model into S pieces where 1F1B cuts it into R,
+    so each of its stages costs R/S of a device share, whatever the placement: half for a V,
+    interleaved 1F1B with two chunks and Cut-in-half, one for DualPipe (R stages, each stored
+    on two ranks).
+    """
+    factor = schedule.num_ranks / schedule.num_stages
+    return costs if factor == 1 else costs.scaled(factor)
 
 
 def compare(
     ranks: int = DEFAULT_RANKS,
     microbatches: int = DEFAULT_MICROBATCHES,
     costs: Costs = DEFAULT_COSTS,
-    schedules: tuple[str, ...] = SEED_SCHEDULES,
+    schedules: tuple[str, ...] = DEFAULT_SCHEDULES,
 ) -> list[ComparisonRow]:
     """Simulate each schedule on ``ranks`` devices beside its published closed form."""
     baseline = metrics(simulate(generate("1f1b", ranks, microbatches), costs), costs)
@@ -77,7 +86,7 @@ def compare(
         except ValueError as error:
             rows.append(ComparisonRow(name, info.title, error=str(error)))
             continue
-        own = stage_costs(name, costs)
+        own = stage_costs(schedule, costs)
         result = metrics(simulate(schedule, own), own)
         form = CLOSED_FORMS.get(name)
         value, exact = predicted_bubble(name, ranks, schedule.num_stages, microbatches, own)

@@ -130,8 +130,9 @@ class Costs:
     def scaled(self, factor: float) -> Costs:
         """The same model with every stage's compute and EP time multiplied by ``factor``.
 
-        Used to give V-shape stages (half a 1F1B stage) half the time, activation and
-        expert-parallel volume of a 1F1B stage. Boundary tensors keep their size.
+        Used to give the stages of a schedule with S stages on R ranks R/S of the time,
+        activation and expert-parallel volume of a 1F1B stage (a V's stages: half).
+        Boundary tensors keep their size.
         """
 
         def times(value: PerStage) -> PerStage:

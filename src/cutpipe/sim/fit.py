@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from cutpipe.schedule.actions import Kind, Overlap
 from cutpipe.schedule.codes import B_CODE, BW_CODE, F_CODE, KIND_BITS, KIND_MASK, W_CODE
+from cutpipe.schedule.dataflow import Key
 from cutpipe.schedule.validate import Timing, walk
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.timeline import Timeline
@@ -99,7 +100,7 @@ def replayed(timeline: Timeline, delays: Delays | None = None) -> Timeline:
                 tables[code & KIND_MASK][code >> KIND_BITS] = took
     timing = Timing(
         tables[F_CODE], tables[B_CODE], tables[W_CODE], tables[BW_CODE],
-        lambda forward, backward: pairs[(forward, backward)], delays.latency,
+        lambda forward, backward: pairs[(forward, backward)], delays.latency, pairs_vary=True,
     )  # fmt: skip
     result = walk(schedule, timing)
     # the overhead is time before an op, idle as in the measurement, not part of the op
@@ -111,14 +112,16 @@ def measured_delays(timeline: Timeline) -> Delays:
     """The mean latency and overhead of ``timeline`` (see ``Delays``); zero where no op shows
     one."""
     schedule = timeline.schedule
-    S, codec = schedule.num_stages, schedule.codec
-    done: dict[int, tuple[int, float]] = {}  # op code -> (rank, end): what each op produced
+    flow, codec = schedule.dataflow, schedule.codec
+    made: dict[Key, tuple[int, float]] = {}  # each value -> (rank, end) of the op that made it
     for rank in range(timeline.num_ranks):
         for code, end in zip(schedule.codes[rank], timeline.ends[rank], strict=True):
             for half in codec.split_pair(code) if code < 0 else (code,):
-                done[half] = (rank, end)
-    latencies: list[float] = []
-    overheads: list[float] = []
+                key = flow.makes(half)
+                if key is not None:
+                    made[key] = (rank, end)
+    # (start, when the rank was free, when its last input from another rank was made) per op
+    ops: list[tuple[float, float | None, float | None]] = []
     for rank in range(timeline.num_ranks):
         free = None  # when this rank finished its previous op
         for code, start, end in zip(
@@ -127,31 +130,25 @@ def measured_delays(timeline: Timeline) -> Delays:
             ready = [
                 ended
                 for half in (codec.split_pair(code) if code < 0 else (code,))
-                for source, ended in (_producer(half, S, done),)
+                for source, ended in (made.get(flow.awaits(half), (None, 0.0)),)
                 if source is not None and source != rank
             ]
-            if ready and (free is None or max(ready) >= free):
-                latencies.append(max(0.0, start - max(ready)))
-            elif free is not None:
-                overheads.append(max(0.0, start - free))
+            ops.append((start, free, max(ready) if ready else None))
             free = end
+    # first the ops that surely waited for data (made after the rank was free), then the ones
+    # made a little before: still in flight when the rank got free, if within that latency
+    sure = [start - ready for start, free, ready in ops
+            if ready is not None and (free is None or ready >= free)]  # fmt: skip
+    typical = statistics.fmean(sure) if sure else 0.0
+    latencies, overheads = [max(0.0, value) for value in sure], []
+    for start, free, ready in ops:
+        if free is None or (ready is not None and ready >= free):
+            continue
+        if ready is not None and ready + typical >= free:
+            latencies.append(max(0.0, start - ready))
+        else:
+            overheads.append(max(0.0, start - free))
     return Delays(
         statistics.fmean(latencies) if latencies else 0.0,
         statistics.fmean(overheads) if overheads else 0.0,
     )
-
-
-def _producer(
-    code: int, num_stages: int, done: dict[int, tuple[int, float]]
-) -> tuple[int | None, float]:
-    """(rank, end) of the op whose output ``code`` reads, or (None, 0) for a local input."""
-    slot, kind = code >> KIND_BITS, code & KIND_MASK
-    stage = slot % num_stages
-    if kind == F_CODE:
-        if stage == 0:
-            return None, 0.0
-        return done.get(((slot - 1) << KIND_BITS) | F_CODE, (None, 0.0))
-    if kind == W_CODE or stage == num_stages - 1:
-        return None, 0.0
-    above = (slot + 1) << KIND_BITS
-    return done.get(above | B_CODE) or done.get(above | BW_CODE) or (None, 0.0)

@@ -1,4 +1,5 @@
-"""Closed forms of the published results (REFERENCE section 4), and exactly when they hold.
+"""Closed forms of the published results, and exactly when they hold (docs/formulas.md names
+the source of each and tabulates them).
 
 Convention: ``b`` is the input-gradient backward, ``w`` the weight-gradient backward, and the full
 backward is ``b + w`` (DeepSeek writes B for the full one: their (PP-1)(F+B) is our

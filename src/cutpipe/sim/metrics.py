@@ -1,6 +1,6 @@
 """Metrics of a timeline: makespan, idle time, the two bubble measures, memory and traffic.
 
-Bubble, two ways (both reported, REFERENCE section 4):
+Bubble, two ways (both reported; docs/formulas.md, "Bubble measures"):
 
 - absolute: ``max over ranks of (makespan - busy) / makespan``, the idle share of the most idle
   rank over the whole step. With equal work on every rank this is ``(makespan - work) / makespan``.

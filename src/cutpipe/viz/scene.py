@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cutpipe.schedule.actions import Action, Kind, Overlap, units
+from cutpipe.schedule.actions import Action, Overlap, units
+from cutpipe.schedule.dataflow import Key, awaited, produced
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.memory import activation_trace
 from cutpipe.sim.metrics import Metrics, metrics
@@ -100,25 +101,16 @@ def _leg(timeline: Timeline, action: Action) -> int:
     return 0
 
 
-def _needs(action: Action, num_stages: int) -> tuple[str, int, int] | None:
-    """The output an action receives: ("F" | "G", stage, microbatch), or None."""
-    if action.kind is Kind.F and action.stage > 0:
-        return ("F", action.stage - 1, action.microbatch)
-    if action.kind in (Kind.B, Kind.BW) and action.stage < num_stages - 1:
-        return ("G", action.stage + 1, action.microbatch)
-    return None
-
-
 def _boxes(timeline: Timeline, comm: float) -> list[Box]:
     schedule = timeline.schedule
     S = schedule.num_stages
-    produced: dict[tuple[str, int, int], tuple[int, float, str]] = {}
+    made: dict[Key, tuple[int, float, str]] = {}  # the value -> (rank, end, op) that made it
     for rank in range(timeline.num_ranks):
         for op, _, end in timeline.events(rank):
             for action in units(op):
-                if action.kind is not Kind.W:
-                    key = ("F" if action.kind is Kind.F else "G", action.stage, action.microbatch)
-                    produced[key] = (rank, end, str(action))
+                key = produced(*action)
+                if key is not None:
+                    made[key] = (rank, end, str(action))
     boxes = []
     for rank in range(timeline.num_ranks):
         free_at, previous = timeline.begin, None
@@ -127,9 +119,9 @@ def _boxes(timeline: Timeline, comm: float) -> list[Box]:
             head = halves[0]
             latest = None
             for action in halves:
-                need = _needs(action, S)
-                if need is not None and need in produced:
-                    source, ready, name = produced[need]
+                need = awaited(*action, S)
+                if need is not None and need in made:
+                    source, ready, name = made[need]
                     ready += comm if source != rank else 0.0
                     if latest is None or ready > latest[0]:
                         latest = (ready, name, source)

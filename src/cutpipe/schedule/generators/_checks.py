@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from cutpipe.schedule.limits import check_size
+from cutpipe.schedule.params import CHUNKS
 
 
 def check_counts(
@@ -26,6 +27,20 @@ def check_counts(
             raise ValueError(f"{name}: needs {label} >= 1, got {value}")
     walked = 1 if steps is None else steps(num_ranks)
     check_size(name, num_ranks, num_ranks * stages_per_rank, num_microbatches, kinds, walked)
+
+
+def check_chunked_counts(
+    name: str, num_ranks: int, num_microbatches: int, chunks: int, kinds: int = 3
+) -> None:
+    """``check_counts`` for a schedule with ``chunks`` stages on every rank, chunks checked first.
+
+    Chunks multiply the stages, so the size limit counts them, and a schedule too large even
+    for one microbatch says to use fewer ranks or chunks.
+    """
+    CHUNKS.check(name, chunks)
+    check_counts(name, num_ranks, num_microbatches, kinds=kinds)
+    stages = num_ranks * chunks
+    check_size(name, num_ranks, stages, num_microbatches, kinds, per_rank="chunks")
 
 
 def require(condition: bool, message: str) -> None:

@@ -8,6 +8,9 @@ backward, then the deferred weight gradients. It times each phase (median of ``r
 leaves live until B, parameters excluded) and of the tensors kept for W, and counts parameters.
 Activations measured in one dtype are scaled to the model's (a CPU profile runs in fp32 for a
 bf16 model).
+
+It sits above the models, the runtime and the planner (it builds the first, runs what the second
+runs and returns the third's torch-free ``Profile``), so that the planner never imports torch.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from dataclasses import replace
 
 import torch
 
-from cutpipe.plan.costs import DTYPE_BYTES, GPUS, ItemCost, ModelSpec, model_items
+from cutpipe.models.transformer import Embedding, Head, LanguageModelLoss, Layer
+from cutpipe.plan.costs import GPUS, ItemCost, model_items
 from cutpipe.plan.profile import DTYPES, Profile
 from cutpipe.runtime.split import WeightGradients, WeightSplitter
+from cutpipe.spec import DTYPE_BYTES, ModelSpec
 
 TORCH_DTYPES = dict(zip(DTYPES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
@@ -139,8 +144,6 @@ def measure(
     warmup: int = 1, seed: int = 0,
 ) -> Profile:  # fmt: skip
     """Measure ``model``'s items on ``device`` (``dtype`` default: fp32 on CPU, the model's on GPU)."""
-    from cutpipe.models.transformer import Embedding, Head, LanguageModelLoss, Layer
-
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
     target = torch.device(device)

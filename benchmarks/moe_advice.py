@@ -1,11 +1,12 @@
-"""What ``recommend`` picks for the seed's 40-layer, 8-expert MoE on 8 to 64 GPUs.
+"""What ``recommend`` picks for the Cut-in-half report's 40-layer, 8-expert MoE on 8 to 64 GPUs.
 
-The seed's rule of thumb: up to 8 devices prefer Cut-in-half (DualPipeV) for its memory saving,
-8 to 32 try ZB-V variants, beyond that combine pipeline with other parallelism. This prints, for
-each device count and GPU, the simulated winner, the best plan that uses a pipeline, and where
-Cut-in-half and ZB-V land, as the table in docs/plan.md. Nothing here encodes the advice.
+The report's selection guide (docs/formulas.md): up to 8 devices prefer Cut-in-half (DualPipeV)
+for its memory saving, 8 to 32 try ZB-V variants, beyond that combine pipeline with other
+parallelism. This prints, for each device count and GPU, the simulated winner, the best plan that
+uses a pipeline, and where Cut-in-half and ZB-V land, as the table in docs/plan.md. Nothing here
+encodes the advice.
 
-    python benchmarks/seed_advice.py [--global-batch 1024] [--gpus A100,H100] [--memory-gb G]
+    python benchmarks/moe_advice.py [--global-batch 1024] [--gpus A100,H100] [--memory-gb G]
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cutpipe.plan.costs import ModelSpec, gpu
+from cutpipe.plan.costs import gpu
 from cutpipe.plan.recommend import recommend
+from cutpipe.spec import ModelSpec
 
-MODEL = Path(__file__).parent.parent / "examples" / "models" / "seed-moe-40l.yaml"
+MODEL = Path(__file__).parent.parent / "examples" / "models" / "moe-40l.yaml"
 
 
 def describe(plan, best) -> str:

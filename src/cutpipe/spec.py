@@ -1,0 +1,136 @@
+"""What a model is: the sizes of a decoder-only transformer, read from YAML or JSON.
+
+Torch-free and at the bottom of the package, so that both the planner (``cutpipe.plan``, which
+derives costs from these sizes) and the torch models (``cutpipe.models``, which build layers of
+these sizes) can import it without either importing the other.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+
+#: Far above any real model, low enough that the planner's per-layer lists stay small and the
+#: cost formulas (products of up to four sizes) stay finite.
+MAX_LAYERS = 10_000
+MAX_SIZE = 2**40
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer, dense or mixture-of-experts."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int  # FFN hidden size; per expert in an MoE
+    vocab: int
+    seq_len: int
+    microbatch_size: int = 1  # sequences per microbatch
+    experts: int = 0  # routed experts; 0 for a dense model
+    top_k: int = 1
+    shared_experts: int = 0
+    dense_layers: int = 0  # leading layers with a dense MLP in an MoE model
+    dense_ffn: int = 0  # their FFN size (default: ffn)
+    kv_heads: int = 0  # 0: as many as heads
+    dtype: str = "bf16"
+    gated_mlp: bool = True
+    flash_attention: bool = True
+
+    def __post_init__(self) -> None:
+        counts = [f.name for f in fields(self) if f.type == "int"]
+        wrong = [
+            f"{n} must be a whole number, got {getattr(self, n)!r}"
+            for n in counts
+            if isinstance(getattr(self, n), bool) or not isinstance(getattr(self, n), int)
+        ]
+        if wrong:
+            raise TypeError(f"model {self.name!r}: " + "; ".join(wrong))
+        problems = []
+        for name in (
+            "layers",
+            "hidden",
+            "heads",
+            "ffn",
+            "vocab",
+            "seq_len",
+            "microbatch_size",
+            "top_k",
+        ):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("experts", "shared_experts", "dense_layers", "dense_ffn", "kv_heads"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.layers > MAX_LAYERS:
+            problems.append(f"layers must be at most {MAX_LAYERS:,}, got {self.layers:,}")
+        problems += [
+            f"{name} must be at most {MAX_SIZE:,}, got {getattr(self, name):,}"
+            for name in counts
+            if getattr(self, name) > MAX_SIZE
+        ]
+        if self.hidden % self.heads:
+            problems.append(f"hidden {self.hidden} must be a multiple of heads {self.heads}")
+        if self.experts and self.top_k > self.experts:
+            problems.append(f"top_k {self.top_k} is more than the {self.experts} experts")
+        if self.dense_layers > self.layers:
+            problems.append(
+                f"dense_layers {self.dense_layers} is more than the {self.layers} layers"
+            )
+        if self.dtype not in DTYPE_BYTES:
+            problems.append(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if problems:
+            raise ValueError(f"model {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in one microbatch."""
+        return self.microbatch_size * self.seq_len
+
+    @property
+    def element_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "model") -> ModelSpec:
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"{source}: unknown fields {unknown}; known: {', '.join(known)}")
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
+        if missing:
+            raise ValueError(f"{source}: missing fields {missing}")
+        kinds = {"int": int, "bool": bool, "str": str}
+        for name, value in data.items():
+            kind = kinds[known[name].type]
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"{source}: {name} must be {known[name].type}, got {value!r}")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelSpec:
+        """Read a model from a YAML or JSON file."""
+        try:
+            text = Path(path).read_text()
+        except OSError as error:
+            raise ValueError(f"cannot read model file {path}: {error.strerror}") from None
+        try:
+            if str(path).endswith((".yaml", ".yml")):
+                import yaml
+
+                data = yaml.safe_load(text)
+            else:
+                data = json.loads(text)
+        except Exception as error:  # yaml.YAMLError or json.JSONDecodeError
+            raise ValueError(f"model file {path} does not parse: {error}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of model fields")
+        data.setdefault("name", Path(path).stem)
+        return cls.from_dict(data, str(path))
