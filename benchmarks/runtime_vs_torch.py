@@ -78,7 +78,9 @@ def cutpipe_step_fn(name: str, rank: int, world: int, width: int):
     model = mlp(BLOCKS, width, seed=1)
     schedule = generate(name, world, MICROBATCHES)
     # like torch's schedules, keep the loss on the rank that computes it (no extra all-reduce)
-    runner = PipelineRunner.from_sequential(schedule, model, nn.MSELoss(), loss_on_every_rank=False)
+    runner = PipelineRunner.from_sequential(
+        schedule, model, nn.MSELoss(), loss_on_every_rank=False, loss_reduction="sum"
+    )
     parameters = runner.parameters()
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
