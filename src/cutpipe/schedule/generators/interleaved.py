@@ -41,14 +41,23 @@ def chunk_order(sizes: list[int], chunks: int, reverse: bool) -> list[int]:
     return order
 
 
+def looped_rounds(
+    num_ranks: int, num_microbatches: int, chunks: int
+) -> tuple[Placement, Codec, list[int], list[int], list[int]]:
+    """What every looped interleaved order starts from: the placement, the codec, the rounds'
+    sizes, and the chunk of each forward and each backward step of a rank."""
+    placement = Placement.interleaved(num_ranks, chunks)
+    codec = Codec(num_ranks * chunks, num_microbatches)
+    sizes = round_sizes(num_ranks, num_microbatches)
+    forwards = chunk_order(sizes, chunks, reverse=False)
+    backwards = chunk_order(sizes, chunks, reverse=True)
+    return placement, codec, sizes, forwards, backwards
+
+
 def interleaved(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Schedule:
     check_chunked_counts("interleaved", num_ranks, num_microbatches, chunks, kinds=2)
     R, m, v = num_ranks, num_microbatches, chunks
-    placement = Placement.interleaved(R, v)
-    codec = Codec(R * v, m)
-    sizes = round_sizes(R, m)
-    forward_chunks = chunk_order(sizes, v, reverse=False)
-    backward_chunks = chunk_order(sizes, v, reverse=True)
+    placement, codec, sizes, forward_chunks, backward_chunks = looped_rounds(R, m, v)
     total = v * m
     ranks = []
     for r in range(R):

@@ -16,21 +16,15 @@ shape (microbatches a multiple of max(1, m // R)); elsewhere the rounds are unev
 from __future__ import annotations
 
 from cutpipe.schedule.builder import RankBuilder
-from cutpipe.schedule.codes import Codec
 from cutpipe.schedule.generators._checks import check_chunked_counts
-from cutpipe.schedule.generators.interleaved import chunk_order, round_sizes
-from cutpipe.schedule.placement import Placement
+from cutpipe.schedule.generators.interleaved import looped_rounds
 from cutpipe.schedule.schedule import Schedule
 
 
 def interleaved_zb(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Schedule:
     check_chunked_counts("interleavedzb", num_ranks, num_microbatches, chunks)
     R, m, v = num_ranks, num_microbatches, chunks
-    placement = Placement.interleaved(R, v)
-    codec = Codec(R * v, m)
-    sizes = round_sizes(R, m)
-    forward_chunks = chunk_order(sizes, v, reverse=False)
-    backward_chunks = chunk_order(sizes, v, reverse=True)
+    placement, codec, sizes, forward_chunks, backward_chunks = looped_rounds(R, m, v)
     total = v * m
     ranks = []
     for r in range(R):
