@@ -36,6 +36,16 @@ def whole(value: Any, what: str, least: int = 0) -> int:
     return value
 
 
+def count(value: Any, what: str, least: int = 1) -> int:
+    """An argument that counts something (ranks, microbatches, devices): an int, not a bool, a
+    TypeError otherwise; at least ``least``, a ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})")
+    if value < least:
+        raise ValueError(f"{what} must be >= {least}, got {value}")
+    return value
+
+
 def finite(value: Any, what: str) -> float:
     """A finite real number (not a bool), as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

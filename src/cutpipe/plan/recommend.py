@@ -36,6 +36,7 @@ from cutpipe.plan.partition import (
 )
 from cutpipe.plan.profile import Profile
 from cutpipe.plan.progress import progress
+from cutpipe.records import count
 from cutpipe.schedule.limits import MAX_OPS
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.sim.costs import Costs
@@ -257,13 +258,9 @@ def check_inputs(
         raise TypeError(f"model must be a ModelSpec, got {type(model).__name__}")
     if not isinstance(hardware, Hardware):
         raise TypeError(f"hardware must be a Hardware (e.g. gpu('H100')), got {hardware!r}")
-    for label, value in (("devices", devices), ("global_batch", global_batch)):
-        if value is None and label == "global_batch":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{label} must be an int, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{label} must be >= 1, got {value}")
+    count(devices, "devices")
+    if global_batch is not None:
+        count(global_batch, "global_batch")
     if devices > MAX_DEVICES:
         raise ValueError(f"devices must be at most {MAX_DEVICES:,}, got {devices:,}")
     if memory is not None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from cutpipe.plan.cooldown import settle_cooldown
 from cutpipe.plan.events import Ranks
 from cutpipe.plan.progress import progress
+from cutpipe.records import count
 from cutpipe.schedule.codes import B_CODE, F_CODE, KIND_BITS, KIND_MASK, W_CODE
 from cutpipe.schedule.dataflow import Dataflow, Key, produced
 from cutpipe.schedule.limits import check_size
@@ -322,11 +323,8 @@ def check_search(
     """A TypeError or ValueError naming the argument ``cost_aware`` cannot use, before any work."""
     if placement not in ("linear", "v"):
         raise ValueError(f"cost-aware schedules place stages 'linear' or 'v', got {placement!r}")
-    for label, value in (("ranks", ranks), ("microbatches", microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"cost_aware: {label} must be an int, got {value!r}")
-        if value < 1:
-            raise ValueError(f"cost_aware: needs {label} >= 1, got {value}")
+    count(ranks, "cost_aware: ranks")
+    count(microbatches, "cost_aware: microbatches")
     if not isinstance(costs, Costs):
         raise TypeError(f"cost_aware: costs must be a Costs, got {costs!r}")
     for label, value in (("memory_cap", memory_cap), ("search_seconds", search_seconds)):

@@ -491,20 +491,21 @@ class PipelineRunner:
         self._times = (starts, ends) if record else None
 
     def _input(self, ins: Instruction, batch: list[Any] | None) -> Value:
-        if ins.first:
-            return batch[ins.microbatch] if batch is not None else ()
-        if ins.source is None:
-            return self._handoff.pop(ins.awaits)
-        assert self._transport is not None
-        return self._transport.receive(ins.receives, ins.source)
+        """A forward's input: its microbatch of the batch on the first stage, else a value."""
+        return (
+            (batch[ins.microbatch] if batch is not None else ()) if ins.first else self._take(ins)
+        )
 
     def _gradient(self, ins: Instruction) -> Value | None:
-        if ins.last:
-            return None
+        """A backward's output gradient: none on the last stage (the loss), else a value."""
+        return None if ins.last else self._take(ins)
+
+    def _take(self, ins: Instruction) -> Value:
+        """The value ``ins`` waits for: handed over by this rank, or from the transport."""
         if ins.source is None:
             return self._handoff.pop(ins.awaits)
         assert self._transport is not None
-        return self._transport.receive(ins.receives, ins.source)
+        return self._transport.receive(ins.awaits, ins.source)
 
     def _deliver(self, index: int, op: Any, outputs: tuple[Value | None, ...]) -> None:
         """Hand each half's output to the next stage: locally, or in one parcel per rank."""

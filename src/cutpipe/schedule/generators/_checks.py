@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from cutpipe.records import count
 from cutpipe.schedule.limits import check_size
 from cutpipe.schedule.params import CHUNKS
 
@@ -18,13 +19,8 @@ def check_counts(
     steps the generator walks at least, given the ranks) bound the schedule's size and the
     generator's work, checked before anything is allocated (``cutpipe.schedule.limits``).
     """
-    for label, value in (("ranks", num_ranks), ("microbatches", num_microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(
-                f"{name}: {label} must be an int, got {value!r} ({type(value).__name__})"
-            )
-        if value < 1:
-            raise ValueError(f"{name}: needs {label} >= 1, got {value}")
+    count(num_ranks, f"{name}: ranks")
+    count(num_microbatches, f"{name}: microbatches")
     walked = 1 if steps is None else steps(num_ranks)
     check_size(name, num_ranks, num_ranks * stages_per_rank, num_microbatches, kinds, walked)
 
