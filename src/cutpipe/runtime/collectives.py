@@ -30,8 +30,89 @@ def collective(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise PeerLost(None, str(error)) from error
 
 
+def _start(
+    operation: Callable[..., Any], tensor: torch.Tensor, peer: int, in_group: int, tag: int
+) -> Any:
+    """Post one point-to-point transfer with pipeline rank ``peer`` (``in_group`` in the
+    operation's group); a broken connection becomes ``PeerLost``."""
+    try:
+        return operation([tensor], in_group, tag)
+    except RuntimeError as error:
+        raise PeerLost(peer, str(error)) from error
+
+
+class Exchange:
+    """An all-gather of one small CPU tensor per step, made of point-to-point messages on a
+    process group of its own.
+
+    On gloo an asynchronous all-gather runs on a worker thread and takes ``world - 1`` rounds of
+    messages, and a message whose receive is not yet posted waits for the receiver's notice. Here
+    each rank sends its word straight to every other rank: a round costs one message's latency,
+    which every step pays before its first transfer (docs/runtime.md, "Overhead per op"). Every
+    rank must start every round, with words of one shape; the runner's agreement does. No
+    receive stays posted between rounds: gloo work still pending when torch.profiler stops
+    crashes the process.
+    """
+
+    def __init__(self, global_ranks: Sequence[int], rank: int, progress: Progress) -> None:
+        self._group = dist.new_group(list(global_ranks), use_local_synchronization=True)
+        self._rank = rank
+        self._peers = [peer for peer in range(len(global_ranks)) if peer != rank]
+        self._in_group = [dist.get_group_rank(self._group, global_ranks[p]) for p in self._peers]
+        self._progress = progress
+        self._round = 0
+        # the transfers of a round never finished (its step failed): a buffer must outlive its
+        # transfer, so they are kept until they complete
+        self._started: tuple[list[Any], list[torch.Tensor]] | None = None
+        self._unfinished: list[tuple[list[Any], list[torch.Tensor]]] = []
+
+    def _post(self, tag: int, like: torch.Tensor) -> tuple[list[Any], list[torch.Tensor]]:
+        buffers = [torch.empty_like(like) for _ in self._peers]
+        recv = self._group.recv
+        works = [
+            _start(recv, buffer, peer, in_group, tag)
+            for buffer, peer, in_group in zip(buffers, self._peers, self._in_group, strict=True)
+        ]
+        return works, buffers
+
+    def start(self, word: torch.Tensor, what: str) -> Callable[[], torch.Tensor]:
+        """Send ``word`` to every peer; the returned call waits for theirs (once) and gives the
+        words stacked by rank."""
+        word = word.cpu()
+        tag, self._round = self._round, self._round + 1
+        if self._started is not None:
+            self._unfinished.append(self._started)
+        self._unfinished = [
+            (works, kept)
+            for works, kept in self._unfinished
+            if not all(w.is_completed() for w in works)
+        ]
+        receives, buffers = self._post(tag, word)
+        send = self._group.send
+        sends = [
+            _start(send, word, peer, in_group, tag)
+            for peer, in_group in zip(self._peers, self._in_group, strict=True)
+        ]
+        self._started = (receives + sends, [*buffers, word])
+        progress = self._progress
+
+        def finish() -> torch.Tensor:
+            progress.wait_for(None, what)  # a collective: the diagnosis follows who is not in it
+            for work, peer in zip(receives + sends, self._peers + self._peers, strict=True):
+                wait(work, peer)
+            progress.done_waiting()
+            if self._round == tag + 1:
+                self._started = None
+            rows = list(buffers)
+            rows.insert(self._rank, word)
+            return torch.stack(rows)
+
+        return finish
+
+
 class Collectives:
-    """The collectives of one rank of a pipeline group of two or more ranks."""
+    """The collectives of one rank of a pipeline group of two or more ranks. On gloo the step's
+    agreement is an ``Exchange``; elsewhere (NCCL) an all-gather."""
 
     def __init__(
         self, group: dist.ProcessGroup, global_ranks: Sequence[int], rank: int, progress: Progress
@@ -42,6 +123,9 @@ class Collectives:
         self._progress = progress
         self._mirror: dist.ProcessGroup | None = None
         self._mirror_peer = -1
+        self._exchange = (
+            Exchange(global_ranks, rank, progress) if dist.get_backend(group) == "gloo" else None
+        )
 
     def _waiting(self, what: str, peer: int | None = None) -> None:
         self._progress.wait_for(peer, what)
@@ -52,6 +136,8 @@ class Collectives:
     def start_gather(self, word: torch.Tensor, what: str) -> Callable[[], torch.Tensor]:
         """Start gathering every rank's ``word`` in the background; the returned call waits and
         gives the words stacked by rank (on the CPU)."""
+        if self._exchange is not None:
+            return self._exchange.start(word, what)
         words = [torch.empty_like(word) for _ in self._global]
         work = collective(dist.all_gather, words, word, group=self._group, async_op=True)
 

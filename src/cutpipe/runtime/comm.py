@@ -152,6 +152,8 @@ class Mailbox:
         self._progress = progress or Progress()
         self._global = list(global_ranks)
         self._upward, self._downward = upward, downward  # to higher ranks, to lower ranks
+        # each pipeline rank's rank in those groups (both have the same members)
+        self._in_group = [dist.get_group_rank(upward, rank) for rank in self._global]
         self._device = device
         self._dynamic = dynamic_shapes
         self._learned: dict[MessageKey, Meta] = {}  # activation metas of the current signature
@@ -217,18 +219,19 @@ class Mailbox:
 
     # -- transfers -----------------------------------------------------------------------------
 
-    def _tag(self, counters: dict[int, int], peer: int) -> int:
-        tag = counters.get(peer, 0)
-        counters[peer] = tag + 1
-        return tag
-
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:
-        _ = self.learning  # nothing moves before the ranks agree on the step
+        if self._learning is None:
+            _ = self.learning  # nothing moves before the ranks agree on the step
+        # the process group's own call: ``dist.isend`` would check and translate ranks again
+        # for every message
         group = self._upward if self._rank < dst else self._downward
+        tags = self._send_tag
+        tag = tags.get(dst, 0)
+        tags[dst] = tag + 1
+        if tensor.is_complex():
+            tensor = torch.view_as_real(tensor)
         try:
-            work = dist.isend(
-                tensor, dst=self._global[dst], group=group, tag=self._tag(self._send_tag, dst)
-            )
+            work = group.send([tensor], self._in_group[dst], tag)
         except RuntimeError as error:
             raise PeerLost(dst, str(error)) from error
         sends = self._sends
@@ -238,12 +241,16 @@ class Mailbox:
             wait(done, peer)
 
     def _irecv(self, tensor: torch.Tensor, src: int) -> Any:
-        _ = self.learning
+        if self._learning is None:
+            _ = self.learning
         group = self._upward if src < self._rank else self._downward
+        tags = self._recv_tag
+        tag = tags.get(src, 0)
+        tags[src] = tag + 1
+        if tensor.is_complex():
+            tensor = torch.view_as_real(tensor)
         try:
-            return dist.irecv(
-                tensor, src=self._global[src], group=group, tag=self._tag(self._recv_tag, src)
-            )
+            return group.recv([tensor], self._in_group[src], tag)
         except RuntimeError as error:
             raise PeerLost(src, str(error)) from error
 

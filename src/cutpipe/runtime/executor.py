@@ -2,7 +2,7 @@
 
 The executor knows nothing about communication: the runner hands it the values an op receives and
 passes on what it returns. Per (stage, microbatch) it keeps a slot from the forward until the
-op that last needs it: the inputs as autograd leaves and the outputs (or the scaled loss) until the
+op that last needs it: the inputs as autograd leaves and the outputs (or the loss) until the
 backward, the deferred weight gradients until the W. Dropping a slot's tensors frees the graph.
 
 It counts what it holds in *activation units*, the simulator's: a slot with its graph is one unit,
@@ -17,23 +17,40 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import Variable
 
 from cutpipe.runtime.program import Instruction
 from cutpipe.runtime.split import WeightGradients, WeightSplitter
 from cutpipe.schedule.codes import B_CODE
 
 Value = tuple[torch.Tensor, ...]
+Backward = Callable[[Value, Value], None]
 
 
-def as_value(output: Any, where: str) -> Value:
-    """A stage's output as a tuple of tensors, or a clear error."""
+def as_value(output: Any, where: str | int) -> Value:
+    """A stage's output as a tuple of tensors, or a clear error (``where``: a stage number, or
+    what returned it)."""
     if isinstance(output, torch.Tensor):
         return (output,)
     if isinstance(output, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in output):
         return tuple(output)
+    where = f"stage {where}" if isinstance(where, int) else where
     raise TypeError(
         f"{where} returned {type(output).__name__}; a stage must return a tensor or a tuple of tensors"
     )
+
+
+def engine_backward(roots: Value, grads: Value) -> None:
+    """``torch.autograd.backward`` without its Python checks and conversions, which on a small
+    CPU stage cost about a third of the whole backward (docs/runtime.md, "Overhead per op"); the
+    engine still checks every gradient against its root. ``grads`` has one tensor per root."""
+    Variable._execution_engine.run_backward(roots, grads, False, False, (), True, True)
+
+
+def python_backward(roots: Value, grads: Value) -> None:
+    """``torch.autograd.backward``, for devices whose backward runs on the engine's own threads
+    (which need the caller's context that the Python entry passes on)."""
+    torch.autograd.backward(roots, grads)
 
 
 @dataclass(slots=True)
@@ -61,17 +78,18 @@ class BackwardTask:
     microbatch: int
     roots: Value
     grads: Value | None
+    run_backward: Backward = python_backward
 
     def run(self) -> None:
         if self.roots:
-            torch.autograd.backward(self.roots, self.grads)
+            self.run_backward(self.roots, self.grads)
 
 
 @dataclass(slots=True)
 class _Slot:
     inputs: Value  # the stage inputs, as leaves whose .grad the backward fills
     outputs: Value  # the stage outputs with their graph (empty on the last stage)
-    loss: torch.Tensor | None  # the scaled loss, on the last stage
+    loss: torch.Tensor | None  # the loss, on the last stage (scaled by its backward's seed)
     gradients: WeightGradients | None  # the weight gradients a B defers to the W
 
 
@@ -86,8 +104,11 @@ class StageExecutor:
         split_backward: bool = True,
         w_memory: float = 0.5,
         check_finite: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         self.modules = dict(modules)
+        cpu = device is not None and torch.device(device).type == "cpu"
+        self._run_backward: Backward = engine_backward if cpu else python_backward
         self._check_finite = check_finite
         self.loss_fn = loss_fn
         self._split_slots = split_slots if split_backward else frozenset()
@@ -137,13 +158,13 @@ class StageExecutor:
             training and splitter is not None and (ins.stage, ins.microbatch) in self._split_slots
         )
         gradients = WeightGradients() if deferred else None
-        where = f"stage {ins.stage}"
+        stage = ins.stage
 
         def run() -> Value:
             if gradients is None:
-                return as_value(module(*values), where)
+                return as_value(module(*values), stage)
             with splitter.deferring(gradients):
-                return as_value(module(*values), where)
+                return as_value(module(*values), stage)
 
         return ForwardTask(module, ins.stage, ins.microbatch, values, run), gradients
 
@@ -181,7 +202,7 @@ class StageExecutor:
                         "data, the learning rate and the loss scale"
                     )
                 self.losses.append(value.detach().reshape(()))
-                loss = value.reshape(()) * self._scale
+                loss = value
             outputs = ()
         if training:
             self._slots[(ins.stage, ins.microbatch)] = _Slot(task.inputs, outputs, loss, gradients)
@@ -201,8 +222,10 @@ class StageExecutor:
         if slot.gradients is not None:
             slot.gradients.defer = ins.kind == B_CODE
         if ins.last:
-            roots: Value = () if slot.loss is None or not slot.loss.requires_grad else (slot.loss,)
-            root_grads: Value | None = None
+            loss = slot.loss
+            roots: Value = () if loss is None or not loss.requires_grad else (loss,)
+            # the loss scale seeds the backward: no multiplication node in every loss's graph
+            root_grads: Value | None = tuple(torch.full_like(r, self._scale) for r in roots)
         else:
             # the message holds one gradient per floating output, in order
             pairs, incoming = [], iter(grads or ())
@@ -214,7 +237,10 @@ class StageExecutor:
             roots = tuple(o for o, _ in pairs)
             root_grads = tuple(g for _, g in pairs)
         module = self.modules[ins.stage]
-        return BackwardTask(module, ins.stage, ins.microbatch, roots, root_grads), slot
+        task = BackwardTask(
+            module, ins.stage, ins.microbatch, roots, root_grads, self._run_backward
+        )
+        return task, slot
 
     def _finish_backward(self, ins: Instruction, slot: _Slot) -> Value | None:
         passed_back = None
