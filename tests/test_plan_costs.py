@@ -32,8 +32,9 @@ def test_dense_7b_has_llama_2_7b_parameter_count():
 
 def test_example_models_load_and_moe_is_moe():
     names = {path.stem: ModelSpec.load(path) for path in EXAMPLES.glob("*.yaml")}
-    assert set(names) == {"dense-7b", "moe-40l", "deepseek-v3-like"}
+    assert set(names) == {"dense-7b", "moe-40l", "deepseek-v3-like", "tiny-dense", "tiny-moe"}
     assert not names["dense-7b"].moe and names["moe-40l"].moe
+    assert not names["tiny-dense"].moe and names["tiny-moe"].moe
     assert names["moe-40l"].layers == 40 and names["moe-40l"].experts == 8
     deepseek = summarize(model_items(names["deepseek-v3-like"], gpu("H100")))
     assert 6.0e11 < deepseek["parameters"] < 7.5e11  # DeepSeek-V3: 671B

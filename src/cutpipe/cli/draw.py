@@ -49,6 +49,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="a timeline written by simulate --timeline or train --trace",
     )
+    what.add_argument(
+        "--metrics",
+        metavar="FILE",
+        help="a training run's loss curve, from train --log (PNG or SVG)",
+    )
+    parser.add_argument("--entropy", type=float, metavar="NATS",
+                        help="with --metrics: draw this loss level (the corpus's unigram entropy)")  # fmt: skip
     parser.add_argument(
         "--ranks", "-r", help="ranks; with --compare one per schedule (a,b,c) or one for all"
     )
@@ -112,10 +119,27 @@ def _simulated(args: argparse.Namespace, costs: Costs, suffix: str) -> list[Time
     return [simulate(schedule, costs) for schedule in schedules]
 
 
+def _draw_metrics(args: argparse.Namespace, output: Path) -> int:
+    from cutpipe.train.metrics import read_metrics
+    from cutpipe.viz.curve import save_loss_curve
+
+    if output.suffix.lower() not in (".png", ".svg"):
+        raise ValueError(f"a loss curve is drawn as .png or .svg, not {output.suffix}")
+    try:
+        records = read_metrics(args.metrics)
+    except OSError as error:
+        raise ValueError(f"cannot read --metrics {args.metrics}: {error.strerror}") from None
+    count = save_loss_curve(records, output, args.entropy, Path(args.metrics).stem)
+    print(f"wrote {output}: the loss of {count} steps")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from cutpipe.viz import scene
 
     output: Path = args.output
+    if args.metrics is not None:
+        return _draw_metrics(args, output)
     suffix = output.suffix.lower()
     costs: Costs = args.costs
     ghosts = None

@@ -23,7 +23,9 @@ from typing import NoReturn
 from cutpipe.cli import (
     bench,
     compare,
+    data,
     draw,
+    export,
     partition,
     profile,
     recommend,
@@ -84,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_debug(parser, top=True)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (
-        simulate, compare, schedule, draw, train, tune, partition, recommend, profile, bench,
+        simulate, compare, schedule, draw, train, tune, partition, recommend, profile, bench, data,
+        export,
     ):  # fmt: skip
         module.register(commands)
     for child in _subparsers(parser):
@@ -148,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             return done.code if isinstance(done.code, int) else 0
         if unknown:
             raise UsageError(_command(args), f"unrecognized arguments: {' '.join(unknown)}")
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # what workers are started with
         status = args.run(args)
         sys.stdout.flush()  # a closed pipe shows here, inside the boundary
         return status
@@ -173,12 +177,23 @@ def _is_user_error(error: Exception) -> bool:
     return isinstance(error, (ValueError, TypeError, OSError)) or _is_missing_torch(error)
 
 
+#: Failures of a run that say what happened (a rank died or hung, a checkpoint could not be
+#: completed, the loss diverged), named so that checking them needs no torch.
+RUN_FAILURES = ("PipelineError", "CheckpointError", "FloatingPointError")
+
+
+def _is_run_failure(error: Exception) -> bool:
+    return any(kind.__name__ in RUN_FAILURES for kind in type(error).__mro__)
+
+
 def _report(error: Exception, command: str, debug: bool) -> str:
     if _is_missing_torch(error):
         text = str(error) if isinstance(error, MissingTorch) else missing_torch_message()
         return f"{command}: error: {text}"
     if _is_user_error(error):
         return f"{command}: error: {_message(error, whole=debug)}"
+    if _is_run_failure(error):
+        return f"{command}: {_message(error, whole=debug)}"
     if isinstance(error, MemoryError):
         return (
             f"{command}: ran out of memory: use fewer ranks, microbatches or a smaller model "

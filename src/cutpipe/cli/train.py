@@ -1,10 +1,16 @@
-"""``cutpipe train``: run a schedule for real, on local processes, with the built-in model.
+"""``cutpipe train``: train a model with a schedule, for real.
 
-Starts ``--nproc`` processes itself (gloo on CPU), cuts the example model (``--blocks`` of
-Linear(``--width``) + tanh) into the schedule's stages, and trains it on a synthetic regression
-task with SGD, showing the loss and the time of each step. ``--emulate`` replaces every op's
-compute with a sleep of its cost and prints the measured timeline's metrics beside the
-simulator's; ``--trace FILE`` writes the last step's measured timeline (for ``cutpipe draw``).
+With ``--model FILE`` (a cutpipe model file or a Hugging Face ``config.json``) it trains that
+transformer on text (``--data``, by default the Python standard library's sources) with AdamW,
+warm-up and cosine decay, clipping, checkpoints and a metrics log, its ``--nproc`` workers
+started by torch's elastic agent (``cutpipe.train.launch``; the same command runs under
+``torchrun -m cutpipe train``). docs/training.md covers every option.
+
+Without ``--model`` it is a quick look at a schedule running: ``--nproc`` local processes train
+a stack of Linear(``--width``) + tanh blocks on a synthetic regression task with SGD;
+``--emulate`` replaces every op's compute with a sleep of its cost and prints the measured
+timeline's metrics beside the simulator's; ``--trace FILE`` writes the last step's measured
+timeline (for ``cutpipe draw``).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cutpipe.cli.common import (
     SCHEDULE_HELP,
@@ -30,6 +36,9 @@ from cutpipe.cli.common import (
 )
 from cutpipe.schedule.registry import generate, schedule_info
 
+if TYPE_CHECKING:
+    from cutpipe.train.options import TrainOptions
+
 #: Local processes ``train`` starts at most: more only oversubscribe the machine's cores.
 MAX_PROCESSES = 64
 #: Numbers the built-in model and its data may hold (weights and one batch): 1 GiB of fp32.
@@ -38,13 +47,14 @@ MAX_MODEL_ELEMENTS = 2**28
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
-        "train", help="run a schedule on local processes with the built-in model",
+        "train", help="train a model file on text, or run a schedule on a built-in toy model",
         description=__doc__.splitlines()[0],
     )  # fmt: skip
     parser.add_argument("--schedule", "-s", required=True, type=schedule_name, metavar="NAME",
                         help=SCHEDULE_HELP)  # fmt: skip
-    parser.add_argument("--nproc", "-n", type=whole(1, MAX_PROCESSES), required=True,
-                        help=f"pipeline ranks (local processes, at most {MAX_PROCESSES})")  # fmt: skip
+    parser.add_argument("--nproc", "-n", type=whole(1, MAX_PROCESSES),
+                        help=f"pipeline ranks on this machine (at most {MAX_PROCESSES}); under "
+                        "torchrun, torchrun's own")  # fmt: skip
     parser.add_argument("--microbatches", "-m", type=positive_int,
                         help="default: the schedule's minimum, at least 2 x nproc")  # fmt: skip
     parser.add_argument("--steps", type=positive_int, default=10)
@@ -53,7 +63,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--width", type=positive_int, default=128)
     parser.add_argument("--blocks", type=positive_int,
                         help="Linear+tanh blocks (default: 16, or one per stage)")  # fmt: skip
-    parser.add_argument("--lr", type=positive_float, default=1.0)
+    parser.add_argument("--lr", type=positive_float,
+                        help="learning rate (default 3e-3 with --model, 1.0 for the toy model)")  # fmt: skip
     parser.add_argument(
         "--emulate", action="store_true", help="sleep for each op's cost instead of computing"
     )
@@ -64,16 +75,77 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--trace", type=output_file(), metavar="FILE",
                         help="write the last step's measured timeline as JSON")  # fmt: skip
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    parser.add_argument("--timeout", type=positive_float, default=600.0,
-                        help="stop every process after this long (seconds)")  # fmt: skip
+    parser.add_argument("--timeout", type=positive_float,
+                        help="stop every process after this long (seconds; default 600 for the toy "
+                        "model, none with --model)")  # fmt: skip
     parser.add_argument("--step-timeout", type=real(1.0, exclusive=False, unit="seconds"), default=60.0, metavar="SECONDS",
                         help="stop every rank when one completes no op for this long "
                         "(default 60, at least 1)")  # fmt: skip
+    add_training_arguments(parser)
     parser.set_defaults(run=run)
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a real training run (``--model``)."""
+    from cutpipe.train.options import DTYPES, RECOMPUTE
+
+    real_run = parser.add_argument_group("training a model file (--model)")
+    add = real_run.add_argument
+    add("--model", type=readable_file, metavar="FILE",
+        help="cutpipe model YAML/JSON or a Hugging Face config.json")  # fmt: skip
+    add("--data", nargs="+", default=[], metavar="PATH",
+        help="text files, folders or a prepared token file (default: Python's standard library)")  # fmt: skip
+    add("--seq-len", type=positive_int, help="tokens per sequence (default: the model file's)")
+    add("--seed", type=whole(0, 2**63 - 1), default=0)
+    add("--warmup", type=whole(0, 10**9), help="warm-up steps (default: 5%% of --steps)")
+    add("--min-lr-ratio", type=real(0.0, 1.0, exclusive=False), default=0.1,
+        help="cosine decay ends at this fraction of --lr")  # fmt: skip
+    add("--weight-decay", type=real(0.0, exclusive=False), default=0.1)
+    add("--clip", type=positive_float, default=1.0, help="clip the global gradient norm to this")
+    add("--grad-accum", type=positive_int, default=1, help="pipeline steps per optimizer step")
+    add("--dtype", choices=DTYPES, default="fp32", help="bf16: autocast, fp32 master weights")
+    add("--recompute", choices=RECOMPUTE, default="none", help="activation recompute per layer")
+    add("--checkpoint-dir", metavar="DIR", help="save checkpoints here (DCP, asynchronous)")
+    add("--checkpoint-every", type=whole(0, 10**9), default=0, metavar="STEPS",
+        help="steps between checkpoints (default: only after the last step)")  # fmt: skip
+    add("--keep", type=positive_int, default=2, help="complete checkpoints kept")
+    add(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --checkpoint-dir",
+    )
+    add("--log", type=output_file(), metavar="FILE", help="write metrics as JSON lines")
+    add("--profile-steps", type=step_range, metavar="A:B", help="torch.profiler over steps A..B")
+    add("--profile-dir", default="profile", metavar="DIR", help="where profiler traces go")
+    add("--nnodes", type=whole(1, 10**4), default=1, help="machines (agents) in the run")
+    add("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous shared by every node")
+    add("--rdzv-id", metavar="ID", help="run id shared by every node")
+    add("--max-restarts", type=whole(0, 1000), default=0,
+        help="restart the workers this often after a failure (they resume from the latest checkpoint)")  # fmt: skip
+    add("--quiet", action="store_true", help="no progress line")
+
+
+def readable_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+
+
+def step_range(text: str) -> tuple[int, int]:
+    first, sep, last = text.partition(":")
+    try:
+        pair = (int(first), int(last if sep else first))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A:B (steps), got {text!r}") from None
+    if pair[0] < 1 or pair[1] < pair[0]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= A <= B, got {text!r}")
+    return pair
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     """Every setting checked (and torch found) before any process starts."""
+    if args.nproc is None:
+        raise ValueError("give the number of processes: --nproc N")
     info = schedule_info(args.schedule)
     ranks = args.nproc
     m = args.microbatches
@@ -101,9 +173,10 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     require_torch()
     return {
         "schedule": args.schedule, "microbatches": m, "steps": args.steps, "batch": batch,
-        "width": args.width, "blocks": blocks, "lr": args.lr, "emulate": args.emulate,
+        "width": args.width, "blocks": blocks, "emulate": args.emulate,
         "costs": args.costs, "time_unit": args.time_unit, "trace": args.trace,
         "backend": args.backend, "step_timeout": args.step_timeout,
+        "lr": 1.0 if args.lr is None else args.lr,
     }  # fmt: skip
 
 
@@ -184,7 +257,87 @@ def train_rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]
     return result
 
 
+def train_options(args: argparse.Namespace) -> TrainOptions:
+    """The run ``--model`` asks for, checked."""
+    from cutpipe.train.options import TrainOptions
+
+    return TrainOptions(
+        model=args.model, schedule=args.schedule, steps=args.steps, microbatches=args.microbatches,
+        batch=args.batch, seq_len=args.seq_len, data=tuple(args.data), seed=args.seed,
+        lr=3e-3 if args.lr is None else args.lr, min_lr_ratio=args.min_lr_ratio,
+        warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
+        grad_accum=args.grad_accum, dtype=args.dtype, recompute=args.recompute,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        keep=args.keep, resume=args.resume, log=None if args.log is None else str(args.log),
+        profile_steps=args.profile_steps, profile_dir=args.profile_dir,
+        step_timeout=args.step_timeout, backend=args.backend, quiet=args.quiet,
+    )  # fmt: skip
+
+
+def run_model(args: argparse.Namespace) -> int:
+    """Train ``--model``: as a worker under torchrun, or by starting the workers."""
+    from cutpipe.train.launch import Launch, LaunchFailed, is_worker, launch
+
+    options = train_options(args)
+    if is_worker():
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        from cutpipe.train.trainer import train
+
+        report(record(train)(options))  # record: the agent reports this worker's error
+        return 0
+    if args.emulate or args.trace:
+        raise ValueError("--emulate and --trace run the toy model: drop --model, or drop them")
+    if args.nproc is None:
+        raise ValueError("give the number of processes: --nproc N")
+    from cutpipe.models.config import load_model_config
+
+    load_model_config(options.model)  # a broken model file fails here, once
+    ranks = args.nproc * args.nnodes
+    info = schedule_info(options.schedule)
+    generate(
+        options.schedule,
+        ranks,
+        options.microbatches or max(2 * ranks, info.min_microbatches(ranks)),
+    )
+    for path in options.data:
+        if not os.path.exists(path):
+            raise ValueError(f"--data {path}: no such file or folder")
+    require_torch()
+    plan = Launch(
+        nproc=args.nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, timeout=args.timeout,
+    )  # fmt: skip
+    try:
+        launch(args.argv, plan)
+    except LaunchFailed as failure:
+        print(f"cutpipe train: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def report(result: dict[str, Any]) -> None:
+    """Rank 0's summary of a finished run: loss against what a context-free model can reach."""
+    if result["rank"] != 0 or not result["records"]:
+        return
+    records = result["records"]
+    speeds = sorted(r["tokens_per_s"] for r in records[1:] or records)
+    line = (
+        f"{records[-1]['step']} steps: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} "
+        f"nats/token (the corpus's unigram entropy: {result['entropy']:.4f}); "
+        f"median {speeds[len(speeds) // 2]:,.0f} tokens/s"
+    )
+    if result["resumed_from"] is not None:
+        line += f"; resumed after step {result['resumed_from']}"
+    if result["checkpoint_stall"]:
+        stalls = sorted(result["checkpoint_stall"])
+        line += f"; checkpoint stall median {stalls[len(stalls) // 2] * 1e3:.1f} ms"
+    print(line, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        return run_model(args)
     from rich.console import Console
     from rich.table import Table
 
@@ -192,9 +345,8 @@ def run(args: argparse.Namespace) -> int:
     from cutpipe.sim import Costs, Timeline, metrics, simulate
 
     options = _options(args)
-    outcomes = launch(
-        train_rank, args.nproc, (options,), backend=args.backend, timeout=args.timeout
-    )
+    timeout = 600.0 if args.timeout is None else args.timeout
+    outcomes = launch(train_rank, args.nproc, (options,), backend=args.backend, timeout=timeout)
     if not all(o.ok for o in outcomes):
         failure = LaunchError(outcomes)
         print(f"cutpipe train: {failure.summary}", file=sys.stderr)

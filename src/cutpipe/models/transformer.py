@@ -1,6 +1,6 @@
 """A decoder-only transformer, dense or mixture-of-experts, cut into pipeline stages by layer.
 
-Built from a ``ModelSpec`` (``cutpipe.plan.costs``): an embedding, ``layers`` blocks (pre-norm
+Built from a ``ModelSpec`` (``cutpipe.spec``): an embedding, ``layers`` blocks (pre-norm
 causal attention, then a gated MLP or a top-k routed mixture of experts), and a head. Every
 module between stages takes and returns ``(hidden, aux)``: ``aux`` accumulates the MoE
 load-balancing loss along the pipeline, so the last stage can add it to the loss.
@@ -11,11 +11,12 @@ spreads them over an expert-parallel group; then its dispatch goes through all-t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cutpipe.runtime.chain import Chain
 from cutpipe.spec import ModelSpec
 
 
@@ -158,10 +159,47 @@ class Head(nn.Module):
         return self.out(self.norm(x)), aux
 
 
-def language_model(spec: ModelSpec, seed: int = 0) -> Chain:
-    """[embedding, layer 0, ..., layer L-1, head]: the cost items of ``cutpipe.plan.costs``."""
+class LanguageModel(nn.Module):
+    """``embed``, ``layers`` (a ModuleList), ``head``, run in that order.
+
+    Named like Hugging Face decoders (``embed.table.weight``, ``layers.3.attention.q.weight``,
+    ``head.out.weight``), so that a checkpoint of a pipelined copy (``PipelineRunner.from_module``
+    keeps these names) matches the unsplit model. It is also the sequence of its blocks
+    ``[embed, layers.0, ..., head]`` (``len``, iteration, indexing), the cost items of
+    ``cutpipe.plan.costs``, so code that cuts a model by position (``moe_stages``,
+    ``PipelineRunner.from_sequential``) takes it as it took a ``Chain``.
+    """
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed = Embedding(spec)
+        self.layers = nn.ModuleList(Layer(spec, i) for i in range(spec.layers))
+        self.head = Head(spec)
+
+    def blocks(self) -> list[nn.Module]:
+        return [self.embed, *self.layers, self.head]
+
+    def __len__(self) -> int:
+        return len(self.layers) + 2
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self.blocks())
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return self.blocks()[index]
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, the summed load-balancing loss), as ``LanguageModelLoss`` takes them."""
+        hidden, aux = self.embed(tokens)
+        for layer in self.layers:
+            hidden, aux = layer(hidden, aux)
+        return self.head(hidden, aux)
+
+
+def language_model(spec: ModelSpec, seed: int = 0) -> LanguageModel:
+    """A ``LanguageModel`` of ``spec``'s sizes, initialised from ``seed``."""
     torch.manual_seed(seed)
-    return Chain(Embedding(spec), *(Layer(spec, i) for i in range(spec.layers)), Head(spec))
+    return LanguageModel(spec)
 
 
 class LanguageModelLoss(nn.Module):

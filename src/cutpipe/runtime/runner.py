@@ -34,11 +34,17 @@ from torch import nn
 
 from cutpipe.runtime.agreement import agree_on_setup, check_step, describe, failed_ranks, step_word
 from cutpipe.runtime.batch import batch_size, split
-from cutpipe.runtime.chain import Chain
 from cutpipe.runtime.collectives import Alone, Collectives
 from cutpipe.runtime.comm import HEADER_LENGTH, PeerLost, encode_header, meta_of
 from cutpipe.runtime.guard import Guard, PipelineError
 from cutpipe.runtime.heartbeat import Progress
+from cutpipe.runtime.modules import (
+    Split,
+    named_parameters_of,
+    sequence_blocks,
+    split_module,
+    state_dict_of,
+)
 from cutpipe.runtime.options import RunnerOptions
 from cutpipe.runtime.program import Instruction, Pair, RankProgram, halves
 from cutpipe.runtime.protocols import (
@@ -50,7 +56,7 @@ from cutpipe.runtime.protocols import (
     default_executor,
     default_transport,
 )
-from cutpipe.schedule.codes import F_CODE, W_CODE
+from cutpipe.schedule.codes import B_CODE, BW_CODE, F_CODE, W_CODE
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.timeline import Timeline
 
@@ -227,16 +233,42 @@ class PipelineRunner:
         **options: Any,
     ) -> PipelineRunner:
         """A runner for this rank's stages of ``model``: consecutive layers, ``partition[s]`` of
-        them in stage ``s`` (default: as even as possible). Layers may pass tuples along."""
-        group = options.get("group")
-        rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
-        sizes = stage_sizes(len(model), schedule.num_stages, partition)
-        bounds = [sum(sizes[:s]) for s in range(len(sizes) + 1)]
-        layers = list(model)
-        stages = {
-            s: Chain(*layers[bounds[s] : bounds[s + 1]]) for s in schedule.placement.stages_of(rank)
-        }
+        them in stage ``s`` (default: as even as possible). Layers may pass tuples along. The
+        stages keep the model's names (``"5.weight"``, as in ``model.state_dict()``)."""
+        names = sequence_blocks(model)
+        sizes = stage_sizes(len(names), schedule.num_stages, partition)
+        held = cls._held_stages(schedule, options.get("group"))
+        stages = split_module(model, sizes, blocks=names, held=held)
         return cls(schedule, stages, loss_fn, **options)
+
+    @classmethod
+    def from_module(
+        cls,
+        schedule: Schedule,
+        model: nn.Module,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        split: Split = None,
+        blocks: Sequence[str] | None = None,
+        **options: Any,
+    ) -> PipelineRunner:
+        """A runner for this rank's stages of any ``model`` that runs ``blocks`` one after another
+        (default: its children, ``nn.Sequential`` and ``nn.ModuleList`` ones expanded), cut at
+        ``split``: the block names where stages 1, 2, ... begin, or blocks per stage (default:
+        as even as possible). Every parameter keeps its name in the model, so
+        ``named_parameters()`` and ``state_dict()`` match the unsplit model's
+        (``cutpipe.runtime.modules`` has the whole contract)."""
+        held = cls._held_stages(schedule, options.get("group"))
+        stages = split_module(
+            model, split, blocks=blocks, num_stages=schedule.num_stages, held=held
+        )
+        return cls(schedule, stages, loss_fn, **options)
+
+    @staticmethod
+    def _held_stages(schedule: Schedule, group: dist.ProcessGroup | None) -> tuple[int, ...]:
+        """The stages this process holds; none if the schedule has no such rank (the
+        constructor then says what does not fit)."""
+        rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+        return schedule.placement.stages_of(rank) if 0 <= rank < schedule.num_ranks else ()
 
     # -- what this rank holds ---------------------------------------------------------------------
 
@@ -256,6 +288,16 @@ class PipelineRunner:
             for parameter in self._modules[stage].parameters():
                 seen.setdefault(id(parameter), parameter)
         return list(seen.values())
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's parameters by their names in the unsplit model (stages built by
+        ``from_module`` or ``from_sequential``), each once: optimizer groups, checkpoints."""
+        return named_parameters_of(self._modules)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's part of the unsplit model's ``state_dict``, under the same keys: the
+        ranks' dicts together (DualPipe's copies agree) load into the unsplit model."""
+        return state_dict_of(self._modules)
 
     @property
     def peak_activation_units(self) -> float:
@@ -345,6 +387,9 @@ class PipelineRunner:
                 with contextlib.suppress(Exception):
                     agreed()  # the others are in the all-gather: complete it, then stop
                 raise problem
+            summed = training and self._mirrored and self.options.emulate is None
+            if summed:
+                _halve_carried(self.parameters())
             m = self.schedule.num_microbatches
             scale = 1.0 / m if self.options.loss_reduction == "mean" else 1.0
             self._executor.begin_step(targets_by_microbatch, scale)
@@ -356,7 +401,7 @@ class PipelineRunner:
             agreed()  # settled before the step ends, whatever the transport did
             progress.ops_done += 1
             self._executor.end_step()
-            if training and self._mirrored and self.options.emulate is None:
+            if summed:
                 self._collectives.sum_copies(self.parameters())
             return self._total_loss()
         except PeerLost as lost:
@@ -447,48 +492,61 @@ class PipelineRunner:
     def _run(self, program: RankProgram, batch: list[Any] | None) -> None:
         """Walk this rank's program: inputs from the transport (or this rank), the op on the
         executor, outputs to the transport (or this rank)."""
-        executor, record, progress = self._executor, self.options.record_timeline, self.progress
+        record = self.options.record_timeline
         starts: list[float] = []
         ends: list[float] = []
+        origin = 0.0
         if record:
             self._collectives.barrier("the barrier that starts a recorded step")
             origin = self._clock()
-        clock = self._clock
         ops, transport, needs = program.ops, self._transport, program.needs
         depth = self.options.prefetch
+        # under torch.profiler every op is a range named as torch's schedules name theirs
+        labels = _profiler_labels(ops) if torch._C._autograd._profiler_enabled() else None
         for index, op in enumerate(ops):
             self._position = index
             if transport is not None and index + depth < len(ops):
                 for key, source in needs[index + depth]:
                     transport.prefetch(key, source)
-            # an op starts when its inputs are here: waiting for them is idle time, not work
-            if type(op) is Pair:
-                forward, backward = op.forward, op.backward
-                values = self._input(forward, batch)
-                grads = self._gradient(backward)
-                if record:
-                    starts.append(clock() - origin)
-                outputs = executor.pair(forward, values, backward, grads)
-            elif op.kind == F_CODE:
-                values = self._input(op, batch)
-                if record:
-                    starts.append(clock() - origin)
-                outputs = (executor.forward(op, values),)
-            elif op.kind == W_CODE:
-                if record:
-                    starts.append(clock() - origin)
-                executor.weight(op)
-                outputs = (None,)
+            if labels is None:
+                self._run_op(op, batch, index, starts, ends, origin)
             else:
-                grads = self._gradient(op)
-                if record:
-                    starts.append(clock() - origin)
-                outputs = (executor.backward(op, grads),)
-            self._deliver(index, op, outputs)
-            progress.ops_done += 1
-            if record:
-                ends.append(clock() - origin)
+                with torch.profiler.record_function(labels[index]):
+                    self._run_op(op, batch, index, starts, ends, origin)
         self._times = (starts, ends) if record else None
+
+    def _run_op(
+        self, op: Any, batch: list[Any] | None, index: int, starts: list[float],
+        ends: list[float], origin: float,
+    ) -> None:  # fmt: skip
+        """Inputs from the transport (or this rank), the op on the executor, outputs to the
+        transport (or this rank); its start and end times if the step is recorded."""
+        executor, record, clock = self._executor, self.options.record_timeline, self._clock
+        if type(op) is Pair:
+            values = self._input(op.forward, batch)
+            grads = self._gradient(op.backward)
+            if record:
+                starts.append(clock() - origin)
+            outputs: tuple = executor.pair(op.forward, values, op.backward, grads)
+        elif op.kind == F_CODE:
+            values = self._input(op, batch)
+            if record:
+                starts.append(clock() - origin)
+            outputs = (executor.forward(op, values),)
+        elif op.kind == W_CODE:
+            if record:
+                starts.append(clock() - origin)
+            executor.weight(op)
+            outputs = (None,)
+        else:
+            grads = self._gradient(op)
+            if record:
+                starts.append(clock() - origin)
+            outputs = (executor.backward(op, grads),)
+        self._deliver(index, op, outputs)
+        self.progress.ops_done += 1
+        if record:
+            ends.append(clock() - origin)
 
     def _input(self, ins: Instruction, batch: list[Any] | None) -> Value:
         """A forward's input: its microbatch of the batch on the first stage, else a value."""
@@ -580,6 +638,34 @@ class PipelineRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: torch's letters for F, B (input gradients only), W and a full backward
+_LETTERS = {F_CODE: "F", B_CODE: "I", W_CODE: "W", BW_CODE: "B"}
+
+
+def _action(ins: Instruction) -> str:
+    return f"{ins.stage}{_LETTERS[ins.kind]}{ins.microbatch}"
+
+
+def _profiler_labels(ops: Sequence[Any]) -> list[str]:
+    """Profiler range names in torch's notation: ``PP:0F3``, ``PP:(0F7;7B3)OVERLAP_F_B``."""
+    return [
+        f"PP:({_action(op.forward)};{_action(op.backward)})OVERLAP_F_B"
+        if type(op) is Pair
+        else f"PP:{_action(op)}"
+        for op in ops
+    ]
+
+
+@torch.no_grad()
+def _halve_carried(parameters: Sequence[nn.Parameter]) -> None:
+    """DualPipe sums its two copies' whole gradients after a step; gradients carried in from
+    earlier steps (accumulation) are the same on both copies, so each keeps half of them and the
+    sum counts them once (halving is exact in binary floating point)."""
+    for parameter in parameters:
+        if parameter.grad is not None:
+            parameter.grad.mul_(0.5)
 
 
 def _device_of(stages: Mapping[int, nn.Module]) -> torch.device:

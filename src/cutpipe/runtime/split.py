@@ -8,6 +8,12 @@ gradient. The W op then computes ``grad_weight += grad_output^T @ input`` (one f
 
 Parameters of other layers (norms, embeddings) get their gradients during B. Forwards whose
 backward is a full BW use the plain ``F.linear``, which PyTorch differentiates fastest.
+
+Activation recompute (``cutpipe.runtime.recompute``) reruns a layer's forward during B. It finds
+the layer's splitter with ``splitter_of``, reads ``current`` at forward time and re-enters it with
+``deferring`` for the rerun, so the rerun saves exactly what the forward saved. ``deferring``
+nests (it restores what was current before), because that rerun can happen in the middle of
+another microbatch's forward when an overlap hook interleaves an F with a B.
 """
 
 from __future__ import annotations
@@ -41,12 +47,14 @@ class WeightGradients:
             grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
             input_2d = inputs.reshape(-1, inputs.shape[-1])
             if weight.grad is None:
-                weight.grad = torch.mm(grad_2d.t(), input_2d)
-            else:
+                weight.grad = torch.mm(grad_2d.t(), input_2d).to(weight.dtype)
+            elif grad_2d.dtype == weight.grad.dtype:
                 weight.grad.addmm_(grad_2d.t(), input_2d)
+            else:  # computed in the autocast dtype, accumulated in the parameter's
+                weight.grad.add_(torch.mm(grad_2d.t(), input_2d))
             if bias is not None:
                 if bias.grad is None:
-                    bias.grad = grad_2d.sum(0)
+                    bias.grad = grad_2d.sum(0).to(bias.dtype)
                 else:
                     bias.grad.add_(grad_2d.sum(0))
         self.pending.clear()
@@ -54,9 +62,9 @@ class WeightGradients:
 
 class _DeferrableLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inputs, weight, bias, gradients: WeightGradients):  # type: ignore[override]
+    def forward(ctx, inputs, weight, bias, gradients: WeightGradients, parameters):  # type: ignore[override]
         ctx.save_for_backward(inputs, weight)
-        ctx.parameters = (weight, bias)  # the Parameters themselves: W accumulates into their .grad
+        ctx.parameters = parameters  # the Parameters themselves: W accumulates into their .grad
         ctx.gradients = gradients
         return F.linear(inputs, weight, bias)
 
@@ -67,11 +75,42 @@ class _DeferrableLinear(torch.autograd.Function):
         if ctx.gradients.defer:
             parameter, bias = ctx.parameters
             ctx.gradients.pending.append((parameter, bias, inputs.detach(), grad_output))
-            return grad_input, None, None, None
+            return grad_input, None, None, None, None
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         grad_weight = grad_2d.t() @ inputs.reshape(-1, inputs.shape[-1])
         grad_bias = grad_2d.sum(0) if ctx.parameters[1] is not None else None
-        return grad_input, grad_weight, grad_bias, None
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+class _RoutedForward:
+    """A linear's ``forward`` through its splitter: deferrable while the splitter is deferring."""
+
+    __slots__ = ("layer", "splitter")
+
+    def __init__(self, splitter: WeightSplitter, layer: nn.Linear) -> None:
+        self.splitter, self.layer = splitter, layer
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        gradients, layer = self.splitter.current, self.layer
+        if gradients is None or not torch.is_grad_enabled():
+            return F.linear(inputs, layer.weight, layer.bias)
+        # on rows, reshaped back outside the Function: an output that is a view made inside a
+        # custom Function may not be changed in place, and models do (``hidden.add_(...)``)
+        flat = inputs.dim() == 2
+        rows = inputs if flat else inputs.reshape(-1, inputs.shape[-1])
+        weight, bias = layer.weight, layer.bias
+        kind = rows.device.type
+        if torch.is_autocast_enabled(kind):  # cast as autocast would: W then runs in that dtype
+            dtype = torch.get_autocast_dtype(kind)
+            rows, weight = rows.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+            with torch.autocast(kind, enabled=False):
+                out = _DeferrableLinear.apply(
+                    rows, weight, bias, gradients, (layer.weight, layer.bias)
+                )
+        else:
+            out = _DeferrableLinear.apply(rows, weight, bias, gradients, (weight, bias))
+        return out if flat else out.view(*inputs.shape[:-1], out.shape[-1])
 
 
 class WeightSplitter:
@@ -88,29 +127,25 @@ class WeightSplitter:
             for layer in module.modules()
             if isinstance(layer, nn.Linear) and type(layer).forward is nn.Linear.forward
         ]
-        for layer in self._layers:
-            layer.forward = self._forward_of(layer)  # shadows nn.Linear.forward on this instance
-
-    def _forward_of(self, layer: nn.Linear):
-        def forward(inputs: torch.Tensor) -> torch.Tensor:
-            gradients = self._current
-            if gradients is None or not torch.is_grad_enabled():
-                return F.linear(inputs, layer.weight, layer.bias)
-            return _DeferrableLinear.apply(inputs, layer.weight, layer.bias, gradients)
-
-        return forward
+        for layer in self._layers:  # the instance's forward shadows nn.Linear.forward
+            layer.forward = _RoutedForward(self, layer)
 
     @property
     def layers(self) -> int:
         return len(self._layers)
 
+    @property
+    def current(self) -> WeightGradients | None:
+        """The weight gradients the forward running now defers into (None: plain linears)."""
+        return self._current
+
     @contextmanager
     def deferring(self, gradients: WeightGradients | None) -> Iterator[None]:
-        self._current = gradients
+        previous, self._current = self._current, gradients
         try:
             yield
         finally:
-            self._current = None
+            self._current = previous
 
     def close(self) -> None:
         """Give the layers their own ``forward`` back."""
@@ -118,3 +153,12 @@ class WeightSplitter:
             if "forward" in layer.__dict__:
                 del layer.forward
         self._layers = []
+
+
+def splitter_of(module: nn.Module) -> WeightSplitter | None:
+    """The splitter routing the linears inside ``module``, or None if none does."""
+    for layer in module.modules():
+        forward = layer.__dict__.get("forward")
+        if isinstance(forward, _RoutedForward):
+            return forward.splitter
+    return None

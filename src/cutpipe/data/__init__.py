@@ -1,0 +1,47 @@
+"""Training data for ``cutpipe train``: a text corpus as byte tokens, in seeded batches.
+
+``corpus`` picks the files (the user's, or the standard library's own sources), ``tokens``
+writes and maps token files, ``prepare`` joins the two (and ``load_tokens`` gives a run its
+tokens from a token file or from text), ``entropy`` gives the unigram entropy (the loss a
+context-free model cannot beat) and ``loader`` yields resumable, replica-split batches.
+Importing this package never imports torch; the functions that need it import it when called.
+"""
+
+from cutpipe.data.corpus import SEPARATOR, STDLIB_BYTES, Source, stdlib_sources, user_sources
+from cutpipe.data.entropy import nats_to_bits, unigram_entropy
+from cutpipe.data.loader import TokenLoader
+from cutpipe.data.prepare import Prepared, load_tokens, prepare
+from cutpipe.data.tokens import (
+    BYTE_VOCAB,
+    HEADER_SIZE,
+    Header,
+    Tokens,
+    check_digest,
+    is_token_file,
+    read_header,
+    read_tokens,
+    write_tokens,
+)
+
+__all__ = [
+    "BYTE_VOCAB",
+    "HEADER_SIZE",
+    "SEPARATOR",
+    "STDLIB_BYTES",
+    "Header",
+    "Prepared",
+    "Source",
+    "TokenLoader",
+    "Tokens",
+    "check_digest",
+    "is_token_file",
+    "load_tokens",
+    "nats_to_bits",
+    "prepare",
+    "read_header",
+    "read_tokens",
+    "stdlib_sources",
+    "unigram_entropy",
+    "user_sources",
+    "write_tokens",
+]

@@ -1,0 +1,140 @@
+"""Which files a corpus is made of, and their bytes in a fixed order.
+
+A corpus is a list of text files: the ones the user names (files, or folders walked recursively
+in sorted order), or by default the Python standard library's own ``*.py`` sources, which every
+machine with Python has, so training needs no download. The standard library corpus leaves out
+``site-packages`` (what the user installed, different on every machine) and the test suites (more
+bytes than the rest, much of it test data), and is capped (``STDLIB_BYTES``, the first 8 MiB of
+about 11 for Python 3.11), so it is the same on every machine with the same Python version and
+platform, and takes well under a second to prepare.
+
+A text file is one without a NUL byte. That check, not a list of endings, decides: it keeps
+source files of any language and any ending (``Makefile``, ``.rs``, ``.txt``) and skips images,
+archives, compiled files and UTF-16 text. Inside folders a binary file is skipped quietly; a file
+named on the command line must be text, or it is an error. Names starting with a dot (``.git``,
+``.venv``) are skipped inside folders, and links to folders are not followed (no loops).
+
+Files are joined with one NUL byte between them (``SEPARATOR``): no text file holds one, so the
+byte-level model sees where a file ends. No imports from the rest of cutpipe and no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Between two files of a corpus: a byte no text file holds.
+SEPARATOR = b"\0"
+#: The standard library corpus: at most this many bytes (8 MiB), the first ones in sorted order.
+STDLIB_BYTES = 8 * 2**20
+#: Folders the standard library corpus leaves out: installed packages, test suites, caches.
+STDLIB_SKIPPED = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One file of a corpus; ``name`` is how reports show it (relative to the folder given);
+    ``named``: the user gave this file itself, so it must be text (a folder's may be skipped)."""
+
+    path: Path
+    name: str
+    named: bool = False
+
+
+def is_text(content: bytes) -> bool:
+    """Text means no NUL byte (module docstring): binary formats almost always hold one."""
+    return SEPARATOR not in content
+
+
+def _walk(folder: Path, suffix: str | None, skipped: frozenset[str]) -> Iterator[Source]:
+    """Files under ``folder`` in sorted order of their relative path, pruning ``skipped`` and
+    dot-named folders before descending (site-packages can be larger than the rest)."""
+    found = []
+    for root, folders, files in os.walk(folder):
+        folders[:] = [f for f in folders if f not in skipped and not f.startswith(".")]
+        for name in files:
+            if name.startswith(".") or (suffix is not None and not name.endswith(suffix)):
+                continue
+            path = Path(root, name)
+            found.append(Source(path, path.relative_to(folder).as_posix()))
+    # Sort by path parts, not strings, so "a/b" comes before "a-b/c" on every platform.
+    yield from sorted(found, key=lambda s: Path(s.name).parts)
+
+
+def user_sources(paths: Iterable[str | os.PathLike]) -> list[Source]:
+    """The files of ``paths`` in the order given, each folder's files sorted; a file reached
+    twice is kept once. A missing path is an error that names it."""
+    sources: list[Source] = []
+    seen: set[Path] = set()
+    for given in paths:
+        path = Path(given)
+        if not path.exists():
+            raise ValueError(f"{given}: no such file or folder: give a text file or a folder")
+        if path.is_dir():
+            found = [
+                Source(s.path, f"{path.as_posix()}/{s.name}")
+                for s in _walk(path, None, frozenset())
+            ]
+        elif path.is_file():
+            found = [Source(path, str(given), named=True)]
+        else:
+            raise ValueError(f"{given}: not a regular file or folder: give a text file or a folder")
+        for source in found:
+            key = source.path.resolve()
+            if key not in seen:
+                seen.add(key)
+                sources.append(source)
+    return sources
+
+
+def stdlib_folder() -> Path:
+    """The standard library of the Python running cutpipe (outside any virtual environment)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_sources(folder: Path | None = None) -> list[Source]:
+    """The standard library's ``*.py`` files in sorted order, without ``STDLIB_SKIPPED``."""
+    root = stdlib_folder() if folder is None else folder
+    if not root.is_dir():
+        raise ValueError(
+            f"the Python standard library is not at {root}: give the corpus with --data PATH"
+        )
+    return list(_walk(root, ".py", STDLIB_SKIPPED))
+
+
+def corpus_chunks(
+    sources: Iterable[Source], max_bytes: int | None = None
+) -> Iterator[tuple[Source, bytes]]:
+    """The corpus's bytes: each text file, ``SEPARATOR`` between two, cut after ``max_bytes``.
+
+    Yields each file used with its piece (separator first, but for the first file), so a corpus larger than memory can be written
+    as it is read. A binary file is skipped, unless the user named it (an error then).
+    """
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"the size cap must be at least 1 byte, got {max_bytes}")
+    left = max_bytes
+    first = True
+    for source in sources:
+        if left is not None and left <= 0:
+            return
+        content = source.path.read_bytes()
+        if not is_text(content):
+            if source.named:
+                raise ValueError(
+                    f"{source.name} is not a text file (it holds NUL bytes): give text files, "
+                    "or a folder, where binary files are skipped"
+                )
+            continue
+        if not content:
+            continue
+        piece = content if first else SEPARATOR + content
+        first = False
+        if left is not None:
+            piece = piece[:left]
+            left -= len(piece)
+        yield source, piece

@@ -1,0 +1,294 @@
+"""Model sizes from a file: a cutpipe model file, or a Hugging Face ``config.json``.
+
+A cutpipe file (YAML or JSON, the fields of ``ModelSpec``) is read as ``ModelSpec.load`` reads
+it. A Hugging Face ``config.json`` (Llama, Mistral, Qwen, Mixtral, DeepSeek and alike) is
+recognised by its keys and read as JSON only: no network, no weights. The keys read:
+
+- ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``vocab_size``: ``hidden``,
+  ``layers``, ``heads``, ``vocab``;
+- ``num_key_value_heads``: ``kv_heads`` (grouped key/value heads; absent or null: all heads);
+- ``head_dim``: checked, it must be ``hidden_size / num_attention_heads``;
+- ``max_position_embeddings``: ``seq_len``, at most the ``max_seq_len`` argument when given;
+- ``intermediate_size``: ``ffn`` of a dense model, ``dense_ffn`` of an MoE's leading dense
+  layers, and each expert's size where ``moe_intermediate_size`` is absent (Mixtral);
+- ``n_routed_experts``, ``num_local_experts`` or ``num_experts`` (DeepSeek's, Mixtral's and
+  Qwen's spellings, which must agree where several are given): ``experts``;
+- ``num_experts_per_tok``: ``top_k``; ``moe_intermediate_size``: ``ffn`` (per routed expert);
+- ``n_shared_experts``: ``shared_experts``; ``shared_expert_intermediate_size`` (Qwen): as many
+  shared experts as that size holds routed experts' sizes;
+- ``first_k_dense_replace``, or ``mlp_only_layers`` listing the first k layers: ``dense_layers``;
+- ``moe_layer_freq`` and ``decoder_sparse_step``: checked, they must be 1 (every layer past the
+  dense ones is an MoE).
+
+Keys that do not change the layers cutpipe builds are ignored: names and versions, dtypes,
+initialisation, norm epsilons, rotary embedding settings, dropouts, token ids, caching, sliding
+windows, router details (scoring, groups, scaling, auxiliary loss coefficients), and a few that
+cutpipe approximates: tied embeddings (built untied), attention and MLP biases (left out), the
+activation (SiLU-gated), DeepSeek's latent attention (``q_lora_rank``, ``kv_lora_rank``,
+``qk_*_head_dim``, ``v_head_dim``: full heads, as examples/models/deepseek-v3-like.yaml) and
+its multi-token prediction layers (not built). Any other key is an error that names it, as is a
+pair of keys that contradict each other, so that a file is never silently misread.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+from cutpipe.spec import ModelSpec
+
+#: Keys found in every Hugging Face decoder config and in no cutpipe file.
+HF_MARKERS = frozenset(
+    {"hidden_size", "num_hidden_layers", "num_attention_heads", "model_type", "architectures"}
+)
+EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts")
+READ = frozenset(
+    {
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings", *EXPERT_KEYS,
+        "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+        "shared_expert_intermediate_size", "first_k_dense_replace", "mlp_only_layers",
+        "moe_layer_freq", "decoder_sparse_step",
+    }
+)  # fmt: skip
+IGNORED = frozenset(
+    {
+        "architectures", "model_type", "transformers_version", "_name_or_path", "auto_map",
+        "torch_dtype", "dtype", "quantization_config", "initializer_range", "rms_norm_eps",
+        "layer_norm_eps", "layer_norm_epsilon", "partial_rotary_factor", "use_cache",
+        "pretraining_tp", "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act",
+        "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+        "norm_topk_prob", "routed_scaling_factor", "scoring_func", "topk_method", "n_group",
+        "topk_group", "aux_loss_alpha", "seq_aux", "ep_size", "output_router_logits",
+        "router_aux_loss_coef", "router_jitter_noise", "router_z_loss_coef",
+        "num_nextn_predict_layers", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+        "qk_rope_head_dim", "v_head_dim", "qkv_bias", "is_decoder",
+    }
+)  # fmt: skip
+IGNORED_PREFIXES = ("rope_",)
+IGNORED_SUFFIXES = ("_token_id", "_dropout", "_dropout_prob")
+
+
+def load_model_config(
+    path: str | Path, max_seq_len: int | None = None, name: str | None = None
+) -> ModelSpec:
+    """The model of a cutpipe model file or a Hugging Face ``config.json`` (or a directory
+    holding one); its ``seq_len`` at most ``max_seq_len`` when that is given."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is a directory without a config.json: name the model file")
+        path = path / "config.json"
+    data = None if path.suffix in (".yaml", ".yml") else _read_json(path)
+    if is_hf_config(data):
+        default = path.parent.name if path.name == "config.json" else path.stem
+        return spec_from_hf_config(data, name or default or "model", max_seq_len, str(path))
+    spec = ModelSpec.load(path)
+    return _capped(spec if name is None else replace(spec, name=name), max_seq_len)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ValueError(f"cannot read model file {path}: {error.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"model file {path} does not parse as JSON: {error}") from None
+
+
+def _capped(spec: ModelSpec, max_seq_len: int | None) -> ModelSpec:
+    return replace(spec, seq_len=_capped_length(spec.seq_len, max_seq_len))
+
+
+def _capped_length(seq_len: int, max_seq_len: int | None) -> int:
+    if max_seq_len is None:
+        return seq_len
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be a whole number >= 1, got {max_seq_len!r}")
+    return min(seq_len, max_seq_len)
+
+
+def is_hf_config(data: Any) -> bool:
+    """Whether ``data`` is a Hugging Face config (by its keys) rather than a cutpipe model."""
+    return isinstance(data, Mapping) and bool(HF_MARKERS & set(data))
+
+
+def _ignored(key: str) -> bool:
+    return key in IGNORED or key.startswith(IGNORED_PREFIXES) or key.endswith(IGNORED_SUFFIXES)
+
+
+def spec_from_hf_config(
+    config: Mapping[str, Any],
+    name: str = "model",
+    max_seq_len: int | None = None,
+    source: str = "config",
+) -> ModelSpec:
+    """A ``ModelSpec`` of a Hugging Face config's sizes (the keys the module lists)."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{source}: expected a mapping of config keys")
+    ours = sorted(set(config) & {f.name for f in fields(ModelSpec)})
+    if ours:
+        raise ValueError(
+            f"{source}: mixes Hugging Face keys with cutpipe fields {ours}: use one format"
+        )
+    unknown = sorted(key for key in config if key not in READ and not _ignored(key))
+    if unknown:
+        raise ValueError(
+            f"{source}: unknown keys {unknown}; cutpipe reads "
+            f"{', '.join(sorted(READ))} and ignores keys that do not change its layers "
+            "(see cutpipe.models.config): remove these, or describe the model in a cutpipe "
+            "model file"
+        )
+    sizes = _sizes(_Reader(config, source), max_seq_len)
+    try:
+        return ModelSpec(name=name, **sizes)
+    except (TypeError, ValueError) as error:  # ModelSpec's own checks, which name no file
+        raise ValueError(f"{source}: {error}") from None
+
+
+class _Reader:
+    """Typed access to a config's keys, with errors that name the file and the key."""
+
+    def __init__(self, config: Mapping[str, Any], source: str) -> None:
+        self.config, self.source = config, source
+
+    def count(self, key: str, low: int = 1) -> int | None:
+        """The key's whole number, or None where it is absent or null."""
+        value = self.config.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise self.fail(f"{key} must be a whole number >= {low}, got {value!r}")
+        return value
+
+    def need(self, key: str) -> int:
+        value = self.count(key)
+        if value is None:
+            raise self.fail(f"missing {key}")
+        return value
+
+    def fail(self, message: str) -> ValueError:
+        return ValueError(f"{self.source}: {message}")
+
+
+def _sizes(read: _Reader, max_seq_len: int | None) -> dict[str, int]:
+    """ModelSpec's fields from the config's keys."""
+    hidden, heads = read.need("hidden_size"), read.need("num_attention_heads")
+    sizes = {
+        "layers": read.need("num_hidden_layers"),
+        "hidden": hidden,
+        "heads": heads,
+        "vocab": read.need("vocab_size"),
+        "seq_len": _seq_len(read, max_seq_len),
+    }
+    kv_heads = read.count("num_key_value_heads")
+    if kv_heads is not None and heads % kv_heads:
+        raise read.fail(f"num_key_value_heads {kv_heads} must divide num_attention_heads {heads}")
+    if kv_heads is not None and kv_heads != heads:
+        sizes["kv_heads"] = kv_heads
+    head_dim = read.count("head_dim")
+    if head_dim is not None and head_dim * heads != hidden:
+        raise read.fail(
+            f"head_dim {head_dim} is not hidden_size / num_attention_heads = {hidden / heads:g}: "
+            "cutpipe's attention projects to hidden_size, so it cannot build this model"
+        )
+    sizes.update(_experts(read, sizes["layers"]))
+    return sizes
+
+
+def _seq_len(read: _Reader, max_seq_len: int | None) -> int:
+    longest = read.count("max_position_embeddings")
+    if longest is None:
+        if max_seq_len is None:
+            raise read.fail("missing max_position_embeddings: give max_seq_len instead")
+        return _capped_length(max_seq_len, max_seq_len)
+    return _capped_length(longest, max_seq_len)
+
+
+def _experts(read: _Reader, layers: int) -> dict[str, int]:
+    """The FFN and mixture-of-experts fields."""
+    counts = {key: read.count(key, low=0) for key in EXPERT_KEYS}
+    given = {key: value for key, value in counts.items() if value is not None}
+    if len(set(given.values())) > 1:
+        raise read.fail(f"the expert counts disagree: {given}")
+    experts = next(iter(given.values()), 0) or 0
+    dense_ffn = read.count("intermediate_size")
+    if not experts:
+        moe_only = [
+            key
+            for key in (
+                "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+                "shared_expert_intermediate_size", "first_k_dense_replace",
+            )
+            if read.count(key, low=0)
+        ]  # fmt: skip
+        if moe_only:
+            raise read.fail(f"{', '.join(moe_only)} set but no experts ({' / '.join(EXPERT_KEYS)})")
+        if dense_ffn is None:
+            raise read.fail("missing intermediate_size")
+        return {"ffn": dense_ffn}
+    top_k = read.count("num_experts_per_tok")
+    if top_k is None:
+        raise read.fail(f"{experts} experts but no num_experts_per_tok")
+    expert_ffn = read.count("moe_intermediate_size") or dense_ffn
+    if expert_ffn is None:
+        raise read.fail("missing moe_intermediate_size (or intermediate_size) for the experts")
+    for key in ("moe_layer_freq", "decoder_sparse_step"):
+        every = read.count(key)
+        if every not in (None, 1):
+            raise read.fail(
+                f"{key} {every}: only models whose layers past the dense ones are all MoE "
+                "can be built"
+            )
+    dense_layers = _dense_layers(read)
+    if dense_layers and dense_ffn is None:
+        raise read.fail(f"{dense_layers} dense layers but no intermediate_size for them")
+    fields_ = {
+        "ffn": expert_ffn,
+        "experts": experts,
+        "top_k": top_k,
+        "shared_experts": _shared(read, expert_ffn),
+    }
+    if dense_layers:
+        fields_["dense_layers"] = min(dense_layers, layers)
+        if dense_ffn != expert_ffn:
+            fields_["dense_ffn"] = dense_ffn or 0
+    return fields_
+
+
+def _dense_layers(read: _Reader) -> int:
+    first = read.count("first_k_dense_replace", low=0)
+    listed = read.config.get("mlp_only_layers") or []
+    if not isinstance(listed, list) or listed != list(range(len(listed))):
+        raise read.fail(
+            f"mlp_only_layers {listed!r}: only the first layers can be dense, as [0, 1, ..., k-1]"
+        )
+    if first is not None and listed and first != len(listed):
+        raise read.fail(
+            f"first_k_dense_replace {first} disagrees with mlp_only_layers {listed} "
+            f"({len(listed)} dense layers)"
+        )
+    return first if first is not None else len(listed)
+
+
+def _shared(read: _Reader, expert_ffn: int) -> int:
+    count = read.count("n_shared_experts", low=0)
+    size = read.count("shared_expert_intermediate_size", low=0)
+    if size is None:
+        return count or 0
+    if size % expert_ffn:
+        raise read.fail(
+            f"shared_expert_intermediate_size {size} is not a multiple of the experts' "
+            f"{expert_ffn}: cutpipe builds shared experts of the routed experts' size"
+        )
+    if count is not None and count != size // expert_ffn:
+        raise read.fail(
+            f"n_shared_experts {count} disagrees with shared_expert_intermediate_size {size} "
+            f"({size // expert_ffn} experts of {expert_ffn})"
+        )
+    return size // expert_ffn

@@ -1,0 +1,104 @@
+"""``TrainOptions``: one checked value that says how a training run goes.
+
+``cutpipe train`` builds it from the command line, every worker process rebuilds the same value
+(under ``torchrun`` or the elastic agent each worker parses the same arguments), and
+``cutpipe.train.trainer.train`` reads nothing else. docs/training.md describes every field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DTYPES = ("fp32", "bf16")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Attributes:
+    model: a cutpipe model file (YAML/JSON) or a Hugging Face ``config.json``.
+    schedule: a schedule name (``cutpipe.generate``'s), with parameters (``interleaved:chunks=4``).
+    microbatches: per optimizer step and accumulation round; None: at least 2 x ranks.
+    batch: sequences per accumulation round (split into the microbatches).
+    seq_len: tokens per sequence; None: the model file's.
+    data: text files, folders or a prepared token file; empty: the standard library's sources.
+    grad_accum: pipeline steps whose gradients one optimizer step averages.
+    dtype: "bf16" runs the forwards under autocast with fp32 master weights.
+    recompute: per layer: keep every activation, recompute the cheap ones, or recompute all.
+    checkpoint_every: steps between checkpoints (0: only the last step, with a directory).
+    resume: continue from the latest complete checkpoint in ``checkpoint_dir``.
+    profile_steps: (first, last) step, 1-based and inclusive, traced with torch.profiler.
+    """
+
+    model: str
+    schedule: str
+    steps: int = 300
+    microbatches: int | None = None
+    batch: int | None = None
+    seq_len: int | None = None
+    data: tuple[str, ...] = ()
+    seed: int = 0
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int | None = None
+    weight_decay: float = 0.1
+    clip: float | None = 1.0
+    grad_accum: int = 1
+    dtype: str = "fp32"
+    recompute: str = "none"
+    aux_weight: float = 0.01
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep: int = 2
+    resume: bool = False
+    log: str | None = None
+    profile_steps: tuple[int, int] | None = None
+    profile_dir: str = "profile"
+    step_timeout: float | None = 60.0
+    backend: str = "gloo"
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("steps", "grad_accum", "keep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be a whole number >= 1, got {value!r}")
+        for name in ("microbatches", "batch", "seq_len", "warmup"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < (name != "warmup")):
+                problems.append(f"{name} must be a whole number >= 1, got {value!r}")
+        for name, low in (("lr", 0.0), ("weight_decay", -1.0), ("aux_weight", -1.0)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > low):
+                problems.append(f"{name} must be a finite number > {max(low, 0)}, got {value!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            problems.append(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}")
+        if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
+            problems.append(f"clip must be a finite number > 0 (or None), got {self.clip!r}")
+        if self.warmup is not None and self.warmup > self.steps:
+            problems.append(f"warmup {self.warmup} is longer than the {self.steps} steps")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.recompute not in RECOMPUTE:
+            problems.append(
+                f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}"
+            )
+        if self.checkpoint_every < 0:
+            problems.append(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            problems.append("checkpoints need a directory: give checkpoint_dir (--checkpoint-dir)")
+        if self.profile_steps is not None:
+            first, last = self.profile_steps
+            if not 1 <= first <= last <= self.steps:
+                problems.append(
+                    f"profile_steps {first}:{last} must satisfy 1 <= A <= B <= steps ({self.steps})"
+                )
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def warmup_steps(self) -> int:
+        """Linear warm-up length: the given one, or 5% of the run (at least one step)."""
+        return self.warmup if self.warmup is not None else max(1, self.steps // 20)

@@ -1,0 +1,333 @@
+"""One worker of a training run: model, data, optimizer, checkpoints, metrics, one step at a time.
+
+Every process of the pipeline runs ``train(options)``; the process group comes from the
+environment that ``torchrun`` or the elastic agent sets (``cutpipe train --nproc N`` starts
+one). Each rank builds the whole model from the same seed, keeps only its stages (by the
+planner's balanced partition for the schedule), and takes the same batches from a loader whose
+order depends only on the seed, so a run is reproducible bitwise in fp32 and a resumed run
+continues exactly where the checkpoint left it. docs/training.md walks through a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cutpipe.train.options import TrainOptions
+
+
+@dataclass
+class StepRecord:
+    """What one optimizer step did, as the metrics log writes it."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    step_time: float
+    bubble: float | None
+    peak_activation_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def init_distributed(backend: str) -> tuple[int, int, torch.device]:
+    """The process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
+    if not dist.is_initialized():
+        missing = [
+            k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+        ]
+        if missing:
+            raise RuntimeError(
+                f"no process group and no torchrun environment ({', '.join(missing)} unset): "
+                "start workers with `cutpipe train --nproc N` or `torchrun ... -m cutpipe train`"
+            )
+        store = _worker_store()
+        if store is None:
+            dist.init_process_group(backend)
+        else:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: share the cores, do not fight
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device(
+            "cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+        )
+        torch.cuda.set_device(device)
+    return rank, world, device
+
+
+def _worker_store() -> dist.Store | None:
+    """The agent's store, under a prefix of its own for every restart of the workers.
+
+    torch reuses the elastic agent's TCPStore across restarts without a prefix per attempt, so
+    restarted gloo workers would read the dead workers' addresses from it and fail to connect.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None  # torch's own env:// set-up
+    from datetime import timedelta
+
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timedelta(minutes=10),
+    )  # fmt: skip
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"cutpipe/attempt_{attempt}", store)
+
+
+def stage_sizes(spec: Any, schedule: Any) -> list[int]:
+    """Blocks (embedding, layers, head) per stage: the planner's balanced partition.
+
+    The planner prices each block from the model's sizes on a nominal GPU; only the ratios
+    matter here, and they depend on the model, not on the machine.
+    """
+    from cutpipe.plan.costs import gpu, model_items, p2p_time, w_memory
+    from cutpipe.plan.partition import balance
+
+    hardware = gpu("H100")
+    items = model_items(spec, hardware)
+    if len(items) < schedule.num_stages:
+        raise ValueError(
+            f"{spec.name} has {spec.layers} layers plus embedding and head, {len(items)} blocks, "
+            f"too few for the {schedule.num_stages} stages of {schedule.name}: use a model with "
+            "more layers or fewer ranks"
+        )
+    comm = p2p_time(spec, hardware, within_node=True)
+    return balance(schedule, items, comm, w_memory(spec)).sizes
+
+
+class Trainer:
+    """The state of one worker's run, and the step that advances it."""
+
+    def __init__(self, options: TrainOptions) -> None:
+        from cutpipe.data import TokenLoader, load_tokens, unigram_entropy
+        from cutpipe.models.config import load_model_config
+        from cutpipe.models.transformer import LanguageModelLoss, Layer, language_model
+        from cutpipe.runtime import PipelineRunner
+        from cutpipe.runtime.modules import Stage
+        from cutpipe.runtime.recompute import apply_recompute
+        from cutpipe.runtime.saved import SavedMeter
+        from cutpipe.schedule.registry import generate, schedule_info
+        from cutpipe.train.optim import build_optimizer, mirror_copies, warmup_cosine
+
+        self.options = options
+        self.rank, self.world, self.device = init_distributed(options.backend)
+        spec = load_model_config(options.model)
+        if options.seq_len is not None:
+            spec = _with(spec, seq_len=options.seq_len)
+        self.spec = spec
+        info = schedule_info(options.schedule)
+        m = options.microbatches or max(2 * self.world, info.min_microbatches(self.world))
+        self.schedule = generate(options.schedule, self.world, m)
+        self.batch = options.batch or spec.microbatch_size * m
+        if self.batch % m:
+            raise ValueError(
+                f"batch {self.batch} does not split into {m} microbatches: use a multiple of {m}"
+            )
+        self.sizes = stage_sizes(spec, self.schedule)
+        model = language_model(spec, seed=options.seed).to(self.device)
+        self.runner = PipelineRunner.from_module(
+            self.schedule, model, LanguageModelLoss(options.aux_weight), split=self.sizes,
+            record_timeline=True, step_timeout=options.step_timeout,
+        )  # fmt: skip
+        # what this rank holds, under the unsplit model's names: what its checkpoints save
+        stages = self.runner.modules
+        self.held = Stage(model, [b for s in sorted(stages) for b in stages[s].block_names])
+        del model  # this rank keeps only its stages
+        self.recomputes = [
+            apply_recompute(module, options.recompute, units=Layer) for module in stages.values()
+        ]
+        self.meter = SavedMeter(exclude=self.runner.parameters())
+        self.copies = mirror_copies(self.schedule)
+        self.optimizer = build_optimizer(
+            self.runner.modules, lr=options.lr, weight_decay=options.weight_decay,
+            betas=(0.9, 0.95),
+        )  # fmt: skip
+        self.scheduler = warmup_cosine(
+            self.optimizer, options.warmup_steps, options.steps, options.min_lr_ratio
+        )
+        self.tokens = load_tokens(options.data)
+        self.entropy = unigram_entropy(self.tokens)
+        self.loader = TokenLoader(self.tokens, spec.seq_len, self.batch, seed=options.seed)
+        self.step = 0  # optimizer steps done
+        self.checkpoints = None
+        if options.checkpoint_dir:
+            from cutpipe.train.checkpoint import Checkpointer
+
+            self.checkpoints = Checkpointer(options.checkpoint_dir, keep=options.keep)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        return {"step": self.step, "loader": self.loader.state_dict()}
+
+    def resume(self) -> int | None:
+        """Continue from the latest complete checkpoint, if any; the step it was taken after."""
+        if self.checkpoints is None:
+            return None
+        extra = self.checkpoints.load_latest(self.held, self.optimizer, self.scheduler)
+        if extra is None:
+            return None
+        self.step = int(extra["step"])
+        self.loader.load_state_dict(extra["loader"])
+        return self.step
+
+    def save(self) -> float:
+        """Start an asynchronous checkpoint of the state after ``self.step``; seconds blocked."""
+        assert self.checkpoints is not None
+        start = time.perf_counter()
+        self.checkpoints.save(
+            self.step,
+            self.held,
+            self.optimizer,
+            self.scheduler,
+            self._state(),
+        )
+        return time.perf_counter() - start
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.options.dtype == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self) -> StepRecord:
+        """One optimizer step over ``grad_accum`` pipeline steps."""
+        from cutpipe.sim import metrics
+        from cutpipe.train.optim import clip_grad_norm
+
+        options = self.options
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        losses, bubbles = [], []
+        self.meter.reset()
+        for _ in range(options.grad_accum):
+            inputs, targets = next(self.loader)
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            with self._autocast(), self.meter:
+                loss = self.runner.step(inputs, targets)
+            losses.append(float(loss))
+            timeline = self.runner.timeline()
+            if timeline is not None:
+                bubbles.append(metrics(timeline).bubble_ratio)
+        if options.grad_accum > 1:
+            for parameter in self.runner.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.div_(options.grad_accum)
+        norm = clip_grad_norm(
+            self.runner.parameters(), options.clip, group=self.runner.group, copies=self.copies
+        )
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        seconds = time.perf_counter() - start
+        tokens = self.batch * self.spec.seq_len * options.grad_accum
+        return StepRecord(
+            step=self.step,
+            loss=sum(losses) / len(losses),
+            lr=lr,
+            grad_norm=float(norm),
+            tokens_per_s=tokens / seconds,
+            step_time=seconds,
+            bubble=sum(bubbles) / len(bubbles) if bubbles else None,
+            peak_activation_bytes=self.meter.peak,
+        )
+
+    def close(self, failed: bool = False) -> None:
+        """Finish the pending checkpoint and let go; after a failure, without waiting for
+        ranks that may be gone."""
+        if self.checkpoints is not None:
+            if failed:
+                self.checkpoints.abandon()
+            else:
+                self.checkpoints.close()
+        for recompute in self.recomputes:
+            recompute.close()
+        self.runner.close()
+
+
+def _with(spec: Any, **changes: Any) -> Any:
+    from dataclasses import replace
+
+    return replace(spec, **changes)
+
+
+#: Tests only: "RANK:STEP" makes that rank die like a lost machine at that step, first attempt.
+FAULT_VARIABLE = "CUTPIPE_FAULT_KILL"
+
+
+def _maybe_fault(rank: int, step: int) -> None:
+    fault = os.environ.get(FAULT_VARIABLE)
+    if not fault or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    where, _, when = fault.partition(":")
+    if int(where) == rank and int(when) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train(options: TrainOptions) -> dict[str, Any]:
+    """Run (or resume) the training run ``options`` describes; rank 0 reports as it goes."""
+    from cutpipe.train.metrics import MetricsLog, Profiler, ProgressLine
+
+    trainer = Trainer(options)
+    rank = trainer.rank
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    resumed = trainer.resume() if (options.resume or restarted) else None
+    log = MetricsLog(options.log, append=resumed is not None) if rank == 0 else None
+    progress = ProgressLine(options, trainer, resumed) if rank == 0 and not options.quiet else None
+    profiler = Profiler(options, rank, first_step=trainer.step + 1)
+    records: list[StepRecord] = []
+    stalls: list[float] = []
+    failed = True
+    try:
+        while trainer.step < options.steps:
+            _maybe_fault(rank, trainer.step + 1)
+            record = trainer.train_step()
+            profiler.step()
+            if not math.isfinite(record.loss):
+                raise FloatingPointError(
+                    f"the loss became {record.loss} at step {record.step}: lower --lr or use --clip"
+                )
+            records.append(record)
+            every = options.checkpoint_every
+            if trainer.checkpoints is not None and (
+                (every and trainer.step % every == 0) or trainer.step == options.steps
+            ):
+                stalls.append(trainer.save())
+            if log is not None:
+                log.write(record)
+            if progress is not None:
+                progress.update(record)
+        failed = False
+    finally:
+        profiler.close()
+        if progress is not None:
+            progress.close()
+        if log is not None:
+            log.close()
+        trainer.close(failed)
+    return {
+        "rank": rank,
+        "losses": [r.loss for r in records],
+        "first_step": records[0].step if records else None,
+        "resumed_from": resumed,
+        "entropy": trainer.entropy,
+        "checkpoint_stall": stalls,
+        "records": [r.to_dict() for r in records],
+    }

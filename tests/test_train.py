@@ -1,0 +1,170 @@
+"""``cutpipe train`` on a real model: exact against one process, recompute, checkpoints that
+survive a killed worker and reshard, the elastic agent and two-node rendezvous."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import train_workers as workers
+
+from cutpipe.runtime import run
+from cutpipe.train.metrics import read_metrics
+from cutpipe.train.options import TrainOptions
+
+#: Small enough for 4 processes on 2 cores; 8 blocks fill a V on 4 ranks.
+MODEL = """\
+name: test-lm
+layers: 6
+hidden: 32
+heads: 2
+ffn: 64
+vocab: 256
+seq_len: 32
+microbatch_size: 2
+dtype: fp32
+"""
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture
+def model_file(tmp_path: Path) -> str:
+    path = tmp_path / "model.yaml"
+    path.write_text(MODEL)
+    return str(path)
+
+
+def options(model: str, schedule: str, **changes) -> TrainOptions:
+    settings = dict(model=model, schedule=schedule, steps=8, microbatches=4, batch=8, quiet=True)
+    return TrainOptions(**{**settings, **changes})
+
+
+@pytest.mark.timeout(300)
+def test_pipelined_training_follows_one_process(model_file):
+    reference = run(workers.train_rank, 1, (options(model_file, "1f1b"),), timeout=240)[0]
+    for schedule in ("dualpipev", "dualpipe"):
+        ranks = run(workers.train_rank, 2, (options(model_file, schedule),), timeout=240)
+        losses = ranks[0]["losses"]
+        assert len(losses) == 8 and losses[-1] < losses[0]
+        for got, want in zip(losses, reference["losses"], strict=True):
+            assert got == pytest.approx(want, rel=1e-5), schedule
+
+
+@pytest.mark.timeout(300)
+def test_full_recompute_halves_the_activation_peak_at_equal_losses(model_file):
+    peaks, losses = {}, {}
+    for mode in ("none", "full"):
+        ranks = run(
+            workers.train_rank, 2, (options(model_file, "zbv", steps=2, recompute=mode),),
+            timeout=240,
+        )  # fmt: skip
+        peaks[mode] = max(r["records"][-1]["peak_activation_bytes"] for r in ranks)
+        losses[mode] = ranks[0]["losses"]
+    assert losses["full"] == pytest.approx(losses["none"], rel=1e-6)
+    assert peaks["none"] >= 2 * peaks["full"], peaks
+
+
+@pytest.mark.timeout(300)
+def test_bf16_autocast_tracks_fp32(model_file):
+    runs = {
+        dtype: run(workers.train_rank, 2, (options(model_file, "dualpipev", steps=3, dtype=dtype),),
+                   timeout=240)[0]["losses"]
+        for dtype in ("fp32", "bf16")
+    }  # fmt: skip
+    assert runs["bf16"] != runs["fp32"]  # the forwards really ran in bf16
+    assert runs["bf16"] == pytest.approx(runs["fp32"], rel=3e-2)
+
+
+def cutpipe_train(*arguments: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "cutpipe", "train", "--quiet", *arguments]
+    return subprocess.run(command, capture_output=True, text=True, timeout=280, env=env or ENV)
+
+
+def _losses(log: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(log)}
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_worker_restarts_and_resumes_bitwise(model_file, tmp_path):
+    common = ["--model", model_file, "--schedule", "dualpipev", "--nproc", "2", "--steps", "6",
+              "-m", "4", "--batch", "8", "--checkpoint-every", "2"]  # fmt: skip
+    whole = cutpipe_train(*common, "--checkpoint-dir", str(tmp_path / "a"),
+                          "--log", str(tmp_path / "a.jsonl"), "--profile-steps", "2:3",
+                          "--profile-dir", str(tmp_path / "profile"))  # fmt: skip
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    trace = json.loads((tmp_path / "profile" / "rank1.json").read_text())["traceEvents"]
+    names = [event.get("name", "") for event in trace]
+    assert sum(name.startswith("ProfilerStep") for name in names) == 2  # steps 2 and 3
+    assert "PP:1F0" in names and "PP:(2F2;1B0)OVERLAP_F_B" in names  # torch's action names
+    env = {**ENV, "CUTPIPE_FAULT_KILL": "1:5"}  # rank 1 dies as step 5 begins
+    killed = cutpipe_train(*common, "--checkpoint-dir", str(tmp_path / "b"),
+                           "--log", str(tmp_path / "b.jsonl"), "--max-restarts", "1", env=env)  # fmt: skip
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert "resumed after step" in killed.stdout, killed.stdout
+    resumed = int(killed.stdout.split("resumed after step ")[1].split(";")[0].split()[0])
+    assert resumed in (2, 4)  # the last checkpoint complete when the worker died
+    steps = [json.loads(line)["step"] for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, *range(resumed + 1, 7)]  # only steps after it ran twice
+    assert _losses(tmp_path / "b.jsonl") == _losses(tmp_path / "a.jsonl")  # bitwise
+
+
+@pytest.mark.timeout(600)
+def test_a_dualpipe_checkpoint_reshards_into_other_layouts(model_file, tmp_path):
+    common = ["--model", model_file, "-m", "8", "--batch", "16", "--steps", "6"]
+    whole = cutpipe_train(*common, "--schedule", "dualpipe", "--nproc", "4",
+                          "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4",
+                          "--log", str(tmp_path / "whole.jsonl"))  # fmt: skip
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    # go back to the checkpoint after step 4, as a run that stopped there would have left it
+    shutil.rmtree(tmp_path / "ckpt" / "step-000006")
+    (tmp_path / "ckpt" / "latest").write_text("step-000004")
+    expected = _losses(tmp_path / "whole.jsonl")
+    for schedule, nproc in (("dualpipev", "2"), ("1f1b", "1")):
+        directory = tmp_path / f"ckpt-{schedule}"
+        shutil.copytree(tmp_path / "ckpt", directory)
+        log = tmp_path / f"{schedule}.jsonl"
+        resumed = cutpipe_train(*common, "--schedule", schedule, "--nproc", nproc, "--resume",
+                                "--checkpoint-dir", str(directory), "--log", str(log))  # fmt: skip
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        got = _losses(log)
+        assert sorted(got) == [5, 6], got
+        for step, loss in got.items():
+            assert loss == pytest.approx(expected[step], rel=1e-5), (schedule, step)
+    exported = tmp_path / "model.safetensors"
+    command = [sys.executable, "-m", "cutpipe", "export", "--checkpoint", str(tmp_path / "ckpt"),
+               "-o", str(exported)]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, timeout=120, env=ENV)
+    from cutpipe.models import language_model, load_model_config
+    from cutpipe.train.export import read_safetensors
+
+    language_model(load_model_config(model_file)).load_state_dict(read_safetensors(exported))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.timeout(300)
+def test_two_agents_meet_at_a_c10d_rendezvous(model_file, tmp_path):
+    command = [sys.executable, "-m", "cutpipe", "train", "--quiet", "--model", model_file,
+               "--schedule", "1f1b", "--nproc", "1", "--nnodes", "2", "--steps", "3",
+               "--rdzv-endpoint", f"localhost:{_free_port()}", "--rdzv-id", "two-nodes"]  # fmt: skip
+    agents = [
+        subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+        )
+        for _ in range(2)
+    ]
+    outputs = [agent.communicate(timeout=240) for agent in agents]
+    for agent, (_, err) in zip(agents, outputs, strict=True):
+        assert agent.returncode == 0, err[-3000:]
+    printed = "".join(out for out, _ in outputs)
+    assert printed.count("3 steps: loss") == 1, printed  # rank 0 reports, on one of the agents
