@@ -62,7 +62,8 @@ def _create_beside(target: Path) -> Path:
         return candidate
 
 
-def _flush_to_disk(path: Path) -> None:
+def flush_to_disk(path: Path) -> None:
+    """Flush a file's contents, or a folder's entries (a rename, a new file), to disk."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
@@ -82,7 +83,7 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
     temporary = _create_beside(target)
     try:
         yield temporary
-        _flush_to_disk(temporary)
+        flush_to_disk(temporary)
         os.replace(temporary, target)
     except BaseException:
         with suppress(OSError):

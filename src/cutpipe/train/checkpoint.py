@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from cutpipe.files import write_text
+from cutpipe.files import flush_to_disk, write_text
 
 FORMAT = "cutpipe-checkpoint/1"
 MARK = "complete.json"
@@ -156,22 +156,13 @@ def resolve(path: str | os.PathLike) -> Path:
     return latest
 
 
-def _sync_folder(folder: Path) -> None:
-    """Flush a folder's entries (a rename or a new file) to disk."""
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _remove(folder: Path) -> None:
     """Delete a checkpoint folder, its mark first, so that a crash half-way leaves an incomplete
     folder rather than a complete-looking one."""
     mark = folder / MARK
     if mark.exists():
         mark.unlink()
-        _sync_folder(folder)
+        flush_to_disk(folder)
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -472,11 +463,11 @@ class Checkpointer:
 
     def _mark(self, folder: Path, manifest: dict[str, Any]) -> None:
         write_text(folder / MARK, json.dumps(manifest, indent=1) + "\n")
-        _sync_folder(folder)
+        flush_to_disk(folder)
 
     def _point(self, folder: Path) -> None:
         write_text(self.directory / POINTER, folder.name + "\n")
-        _sync_folder(self.directory)
+        flush_to_disk(self.directory)
 
     def wait(self) -> Path | None:
         """Block until the pending checkpoint is complete on every rank; its folder, or None if
