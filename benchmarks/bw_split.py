@@ -38,7 +38,8 @@ def clock(device: torch.device) -> float:
 def measure(
     stage: nn.Module, x: torch.Tensor, reps: int, autocast: bool = False
 ) -> tuple[float, float, float]:
-    """Median seconds of the full backward, of B and of W for ``stage`` on ``x``."""
+    """Median seconds of the full backward, of B and of W for ``stage`` on ``x``; gradients
+    accumulate from round to round, as they do over a step's microbatches."""
     device = x.device
     splitter = WeightSplitter(stage)
     cast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
@@ -55,7 +56,6 @@ def measure(
         start = clock(device)
         out.backward(grad)
         full.append(clock(device) - start)
-        stage.zero_grad(set_to_none=True)
 
         gradients = WeightGradients()
         with splitter.deferring(gradients):
@@ -68,7 +68,6 @@ def measure(
         end = clock(device)
         backward.append(middle - start)
         weight.append(end - middle)
-        stage.zero_grad(set_to_none=True)
     splitter.close()
     return statistics.median(full), statistics.median(backward), statistics.median(weight)
 
