@@ -174,3 +174,15 @@ def test_train_emulate_shows_measured_beside_simulated_and_writes_a_trace(capsys
 def test_train_rejects_a_shape_before_starting_processes(capsys):
     code, _, err = run(capsys, "train", "-s", "dualpipe", "-n", "3")
     assert code == 2 and "even number of ranks" in err
+
+
+def test_version_and_python_dash_m(capsys):
+    import subprocess
+    import sys
+
+    from cutpipe import __version__
+
+    printed = subprocess.run(
+        [sys.executable, "-m", "cutpipe", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert printed.returncode == 0 and printed.stdout.strip() == f"cutpipe {__version__}"

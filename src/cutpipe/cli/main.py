@@ -68,6 +68,15 @@ def _add_debug(parser: argparse.ArgumentParser, top: bool) -> None:
     )
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cutpipe")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
     """Every subcommand's parser, nested ones (``bench moe``) included."""
     found = []
@@ -84,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pipeline-parallel schedules: generate, validate, simulate and compare.",
     )
     _add_debug(parser, top=True)
+    parser.add_argument("--version", action="version", version=f"cutpipe {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (
         simulate, compare, schedule, draw, train, tune, partition, recommend, profile, bench, data,
