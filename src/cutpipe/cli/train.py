@@ -34,7 +34,7 @@ from cutpipe.cli.common import (
     schedule_name,
     whole,
 )
-from cutpipe.schedule.registry import generate, schedule_info
+from cutpipe.schedule.registry import generate
 
 if TYPE_CHECKING:
     from cutpipe.train.options import TrainOptions
@@ -146,11 +146,12 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     """Every setting checked (and torch found) before any process starts."""
     if args.nproc is None:
         raise ValueError("give the number of processes: --nproc N")
-    info = schedule_info(args.schedule)
+    from cutpipe.train.options import default_microbatches
+
     ranks = args.nproc
     m = args.microbatches
     if m is None:
-        m = max(2 * ranks, info.min_microbatches(ranks))
+        m = default_microbatches(args.schedule, ranks)
     schedule = generate(args.schedule, ranks, m)  # checks the shape before any process starts
     blocks = max(16, schedule.num_stages) if args.blocks is None else args.blocks
     if blocks < schedule.num_stages:
@@ -277,6 +278,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
 def run_model(args: argparse.Namespace) -> int:
     """Train ``--model``: as a worker under torchrun, or by starting the workers."""
     from cutpipe.train.launch import Launch, LaunchFailed, is_worker, launch
+    from cutpipe.train.options import default_microbatches
 
     options = train_options(args)
     if is_worker():
@@ -294,12 +296,8 @@ def run_model(args: argparse.Namespace) -> int:
 
     load_model_config(options.model)  # a broken model file fails here, once
     ranks = args.nproc * args.nnodes
-    info = schedule_info(options.schedule)
-    generate(
-        options.schedule,
-        ranks,
-        options.microbatches or max(2 * ranks, info.min_microbatches(ranks)),
-    )
+    m = options.microbatches or default_microbatches(options.schedule, ranks)
+    generate(options.schedule, ranks, m)  # a shape the schedule refuses fails here, once
     for path in options.data:
         if not os.path.exists(path):
             raise ValueError(f"--data {path}: no such file or folder")

@@ -66,15 +66,6 @@ class Exchange:
         self._started: tuple[list[Any], list[torch.Tensor]] | None = None
         self._unfinished: list[tuple[list[Any], list[torch.Tensor]]] = []
 
-    def _post(self, tag: int, like: torch.Tensor) -> tuple[list[Any], list[torch.Tensor]]:
-        buffers = [torch.empty_like(like) for _ in self._peers]
-        recv = self._group.recv
-        works = [
-            _start(recv, buffer, peer, in_group, tag)
-            for buffer, peer, in_group in zip(buffers, self._peers, self._in_group, strict=True)
-        ]
-        return works, buffers
-
     def start(self, word: torch.Tensor, what: str) -> Callable[[], torch.Tensor]:
         """Send ``word`` to every peer; the returned call waits for theirs (once) and gives the
         words stacked by rank."""
@@ -87,12 +78,13 @@ class Exchange:
             for works, kept in self._unfinished
             if not all(w.is_completed() for w in works)
         ]
-        receives, buffers = self._post(tag, word)
-        send = self._group.send
-        sends = [
-            _start(send, word, peer, in_group, tag)
-            for peer, in_group in zip(self._peers, self._in_group, strict=True)
+        buffers = [torch.empty_like(word) for _ in self._peers]
+        peers = list(zip(self._peers, self._in_group, strict=True))
+        receives = [
+            _start(self._group.recv, buffer, peer, in_group, tag)
+            for buffer, (peer, in_group) in zip(buffers, peers, strict=True)
         ]
+        sends = [_start(self._group.send, word, peer, in_group, tag) for peer, in_group in peers]
         self._started = (receives + sends, [*buffers, word])
         progress = self._progress
 

@@ -102,3 +102,10 @@ class TrainOptions:
     def warmup_steps(self) -> int:
         """Linear warm-up length: the given one, or 5% of the run (at least one step)."""
         return self.warmup if self.warmup is not None else max(1, self.steps // 20)
+
+
+def default_microbatches(schedule: str, ranks: int) -> int:
+    """Microbatches when none are given: the schedule's least, and at least two per rank."""
+    from cutpipe.schedule.registry import schedule_info
+
+    return max(2 * ranks, schedule_info(schedule).min_microbatches(ranks))

@@ -4,7 +4,7 @@ Every process of the pipeline runs ``train(options)``; the process group comes f
 environment that ``torchrun`` or the elastic agent sets (``cutpipe train --nproc N`` starts
 one). Each rank builds the whole model from the same seed, keeps only its stages (by the
 planner's balanced partition for the schedule), and takes the same batches from a loader whose
-order depends only on the seed, so a run is reproducible bitwise in fp32 and a resumed run
+order depends only on ``--seed``, so a run is reproducible bitwise in fp32 and a resumed run
 continues exactly where the checkpoint left it. docs/training.md walks through a run.
 """
 
@@ -15,13 +15,13 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from cutpipe.train.options import TrainOptions
+from cutpipe.train.options import TrainOptions, default_microbatches
 
 
 @dataclass
@@ -89,7 +89,7 @@ def _worker_store() -> dist.Store | None:
     return dist.PrefixStore(f"cutpipe/attempt_{attempt}", store)
 
 
-def stage_sizes(spec: Any, schedule: Any) -> list[int]:
+def balanced_sizes(spec: Any, schedule: Any) -> list[int]:
     """Blocks (embedding, layers, head) per stage: the planner's balanced partition.
 
     The planner prices each block from the model's sizes on a nominal GPU; only the ratios
@@ -121,24 +121,23 @@ class Trainer:
         from cutpipe.runtime.modules import Stage
         from cutpipe.runtime.recompute import apply_recompute
         from cutpipe.runtime.saved import SavedMeter
-        from cutpipe.schedule.registry import generate, schedule_info
+        from cutpipe.schedule.registry import generate
         from cutpipe.train.optim import build_optimizer, mirror_copies, warmup_cosine
 
         self.options = options
         self.rank, self.world, self.device = init_distributed(options.backend)
         spec = load_model_config(options.model)
         if options.seq_len is not None:
-            spec = _with(spec, seq_len=options.seq_len)
+            spec = replace(spec, seq_len=options.seq_len)
         self.spec = spec
-        info = schedule_info(options.schedule)
-        m = options.microbatches or max(2 * self.world, info.min_microbatches(self.world))
+        m = options.microbatches or default_microbatches(options.schedule, self.world)
         self.schedule = generate(options.schedule, self.world, m)
         self.batch = options.batch or spec.microbatch_size * m
         if self.batch % m:
             raise ValueError(
                 f"batch {self.batch} does not split into {m} microbatches: use a multiple of {m}"
             )
-        self.sizes = stage_sizes(spec, self.schedule)
+        self.sizes = balanced_sizes(spec, self.schedule)
         model = language_model(spec, seed=options.seed).to(self.device)
         self.runner = PipelineRunner.from_module(
             self.schedule, model, LanguageModelLoss(options.aux_weight), split=self.sizes,
@@ -260,12 +259,6 @@ class Trainer:
         for recompute in self.recomputes:
             recompute.close()
         self.runner.close()
-
-
-def _with(spec: Any, **changes: Any) -> Any:
-    from dataclasses import replace
-
-    return replace(spec, **changes)
 
 
 #: Tests only: "RANK:STEP" makes that rank die like a lost machine at that step, first attempt.
