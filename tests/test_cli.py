@@ -186,3 +186,24 @@ def test_version_and_python_dash_m(capsys):
         [sys.executable, "-m", "cutpipe", "--version"], capture_output=True, text=True, timeout=60
     )
     assert printed.returncode == 0 and printed.stdout.strip() == f"cutpipe {__version__}"
+
+
+def test_every_option_has_help_and_no_help_text_shows_rest_markup():
+    import argparse
+
+    from cutpipe.cli.main import _subparsers, build_parser
+
+    top = build_parser()
+    texts, missing = [], []
+    for parser in (top, *_subparsers(top)):
+        texts.append(parser.description or "")
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                texts += [choice.help or "" for choice in action._choices_actions]
+                continue
+            if action.help is None or not action.help.strip():
+                missing.append(f"{parser.prog} {'/'.join(action.option_strings) or action.dest}")
+            elif action.help != argparse.SUPPRESS:
+                texts.append(action.help)
+    assert not missing, missing
+    assert not [text for text in texts if "`" in text]

@@ -38,7 +38,7 @@ LAYERS = {
     "records": layer(NEVER),
     "files": layer(NEVER),
     "spec": layer(NEVER),
-    "schedule": layer(NEVER, "records"),
+    "schedule": layer(NEVER, "records files"),
     "sim": layer(NEVER, "schedule records files"),
     "formulas": layer(NEVER, "sim"),
     "viz": layer(NEVER, "schedule sim files"),

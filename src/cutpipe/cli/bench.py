@@ -15,7 +15,14 @@ import argparse
 import math
 from typing import Any
 
-from cutpipe.cli.common import positive_float, positive_int, print_json, require_torch, whole
+from cutpipe.cli.common import (
+    description,
+    positive_float,
+    positive_int,
+    print_json,
+    require_torch,
+    whole,
+)
 from cutpipe.plan.recommend import MAX_DEVICES
 
 #: Local processes (PP x EP) the real runs start at most.
@@ -24,13 +31,13 @@ MAX_PROCESSES = 64
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
-        "bench", help="benchmarks: `bench moe` is the Cut-in-half report's MoE comparison",
+        "bench", help="benchmarks: bench moe is the Cut-in-half report's MoE comparison",
         description="Benchmarks shipped with cutpipe.",
     )  # fmt: skip
     kinds = parser.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     moe = kinds.add_parser(
         "moe", help="1F1B vs DualPipe vs Cut-in-half vs ZB-V on an MoE: real runs and at scale",
-        description=" ".join(__doc__.split("\n\n")[0].split()),
+        description=description(__doc__),
     )  # fmt: skip
     real = moe.add_argument_group("real runs (this machine, gloo)")
     real.add_argument("--pp", type=whole(1, MAX_PROCESSES), default=2,

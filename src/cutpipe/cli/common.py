@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -12,7 +13,8 @@ from typing import Any
 
 from cutpipe.files import check_output
 from cutpipe.schedule.params import split_specs
-from cutpipe.schedule.registry import SCHEDULES, schedule_info
+from cutpipe.schedule.registry import SCHEDULES, generate, schedule_info
+from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
 
 #: A petabyte per device: more than any accelerator, small enough to stay finite in bytes.
@@ -76,6 +78,13 @@ SCHEDULE_HELP = (
 )
 
 
+def description(doc: str | None) -> str:
+    """A command's description from its module docstring's first paragraph, as plain text
+    (reST's double backticks left out: a terminal shows them literally)."""
+    first = (doc or "").split("\n\n")[0]
+    return " ".join(first.replace("``", "").split())
+
+
 def schedule_names(text: str) -> tuple[str, ...]:
     """An argparse ``type``: comma-separated known schedules, at least one, each possibly with
     parameters (``1f1b,interleaved:chunks=4``)."""
@@ -122,22 +131,65 @@ def require_torch() -> None:
         ) from None
 
 
-def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
-    """--schedule, --ranks, --microbatches."""
-    parser.add_argument(
-        "--schedule",
-        "-s",
-        required=True,
-        type=schedule_name,
-        metavar="NAME",
-        help=SCHEDULE_HELP,
+def add_schedule_source(parser: argparse.ArgumentParser, *, group=None) -> None:
+    """--schedule NAME with --ranks and --microbatches, or --from FILE (a saved schedule).
+
+    ``group``, a mutually exclusive group, takes --schedule and --from when given (draw adds its
+    other sources there); exactly one of them is required either way.
+    """
+    choice = group if group is not None else parser.add_mutually_exclusive_group(required=True)
+    choice.add_argument("--schedule", "-s", type=schedule_name, metavar="NAME", help=SCHEDULE_HELP)
+    choice.add_argument(
+        "--from",
+        dest="schedule_file",
+        type=readable_file,
+        metavar="FILE",
+        help="a schedule file: .json (cutpipe schedule -o, tune -o) or .csv (torch's format)",
     )
     parser.add_argument(
-        "--ranks", "-r", type=positive_int, required=True, help="pipeline ranks (devices)"
+        "--ranks", "-r", type=positive_int, help="pipeline ranks (devices), with --schedule"
     )
     parser.add_argument(
-        "--microbatches", "-m", type=positive_int, required=True, help="microbatches per step"
+        "--microbatches", "-m", type=positive_int, help="microbatches per step, with --schedule"
     )
+
+
+def schedule_from_args(args: argparse.Namespace) -> Schedule:
+    """The schedule ``add_schedule_source``'s options name: generated, or read from a file."""
+    if args.schedule_file is not None:
+        return load_schedule_file(args.schedule_file, args.ranks, args.microbatches)
+    missing = [
+        o for o, v in (("--ranks", args.ranks), ("--microbatches", args.microbatches)) if v is None
+    ]
+    if missing:
+        raise ValueError(f"--schedule needs {' and '.join(missing)} (or give --from FILE)")
+    return generate(args.schedule, args.ranks, args.microbatches)
+
+
+def load_schedule_file(
+    path: str, ranks: int | None = None, microbatches: int | None = None
+) -> Schedule:
+    """The schedule in ``path``; ``ranks`` / ``microbatches``, if given, must agree with it."""
+    from cutpipe.schedule.fileformat import load_schedule
+
+    schedule = load_schedule(path)
+    for option, given, own in (
+        ("--ranks", ranks, schedule.num_ranks),
+        ("--microbatches", microbatches, schedule.num_microbatches),
+    ):
+        if given is not None and given != own:
+            raise ValueError(
+                f"{path} holds a schedule of {own} for {option}, not {given}: drop {option} "
+                "(the file fixes it)"
+            )
+    return schedule
+
+
+def readable_file(text: str) -> str:
+    """An argparse ``type``: a file that exists (checked before any work)."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
 
 
 def parse_costs(text: str) -> Costs:
@@ -192,7 +244,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, gpu_required: bool = Tr
     parser.add_argument(
         "--profile",
         metavar="FILE",
-        help="measured costs from `cutpipe profile` instead of the analytic model "
+        help="measured costs from cutpipe profile instead of the analytic model "
         "(its model is used when --model is not given)",
     )
     parser.add_argument("--gpu", required=gpu_required, metavar="NAME", help="A100, H100 or H200")

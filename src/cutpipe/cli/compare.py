@@ -7,8 +7,10 @@ import argparse
 from cutpipe.cli.common import (
     add_costs_argument,
     fmt,
+    load_schedule_file,
     positive_int,
     print_json,
+    readable_file,
     schedule_names,
 )
 from cutpipe.sim.compare import (
@@ -45,12 +47,23 @@ def register(commands: argparse._SubParsersAction) -> None:
         default=DEFAULT_SCHEDULES,
         help=f"comma-separated names (default {','.join(DEFAULT_SCHEDULES)})",
     )
+    parser.add_argument(
+        "--from",
+        dest="schedule_files",
+        action="append",
+        default=[],
+        type=readable_file,
+        metavar="FILE",
+        help="also compare the schedule in this file (.json or .csv, for the same -r and -m); "
+        "repeat for more",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.set_defaults(run=run, default_costs=DEFAULT_COSTS)
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = compare(args.ranks, args.microbatches, args.costs, args.schedules)
+    loaded = tuple(load_schedule_file(path) for path in args.schedule_files)
+    rows = compare(args.ranks, args.microbatches, args.costs, (*args.schedules, *loaded))
     if args.json:
         print_json(
             [

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from cutpipe.cli.common import output_file, print_json, real, require_torch
+from cutpipe.cli.common import description, output_file, print_json, real, require_torch
 
 #: The largest ``--max-mb``: a mebibyte short of 1 PiB, far beyond any corpus, still exact.
 MAX_MB = 2.0**30
@@ -20,8 +20,8 @@ MAX_MB = 2.0**30
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
-        "data", help="training data: `data prepare` writes a token file, `data info` reads one",
-        description=__doc__.splitlines()[0],
+        "data", help="training data: data prepare writes a token file, data info reads one",
+        description=description(__doc__),
     )  # fmt: skip
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     prepare = actions.add_parser(
@@ -44,7 +44,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="Check a token file (header and digest) and print its size, vocabulary "
         "and unigram entropy in bits and nats per token.",
     )  # fmt: skip
-    info.add_argument("file", metavar="FILE", help="a token file from `cutpipe data prepare`")
+    info.add_argument("file", metavar="FILE", help="a token file from cutpipe data prepare")
     info.add_argument("--json", action="store_true", help="print the figures as JSON")
     info.set_defaults(run=run_info)
 

@@ -12,7 +12,11 @@ from pathlib import Path
 from cutpipe.cli.common import (
     SCHEDULE_HELP,
     add_costs_argument,
+    description,
+    load_schedule_file,
     output_file,
+    print_json,
+    readable_file,
     schedule_name,
     schedule_names,
 )
@@ -28,7 +32,7 @@ FORMATS = (".png", ".svg", ".html", ".json")
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "draw", help="draw a timeline as PNG, SVG, interactive HTML or a Chrome trace",
-        description=__doc__.splitlines()[0],
+        description=description(__doc__),
     )  # fmt: skip
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument(
@@ -37,6 +41,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         type=schedule_name,
         metavar="NAME",
         help=SCHEDULE_HELP,
+    )
+    what.add_argument(
+        "--from",
+        dest="schedule_file",
+        type=readable_file,
+        metavar="FILE",
+        help="a schedule file: .json (cutpipe schedule -o, tune -o) or .csv (torch's format)",
     )
     what.add_argument(
         "--compare",
@@ -63,6 +74,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--microbatches", "-m", help="microbatches; with --compare one per schedule or one for all"
     )
     add_costs_argument(parser, "", "stage of each schedule")
+    parser.add_argument("--json", action="store_true",
+                        help="print what was written and each timeline's metrics as JSON")  # fmt: skip
     parser.add_argument("--vs-sim", action="store_true",
                         help="with --timeline: overlay the simulator's prediction from the measured op times")  # fmt: skip
     parser.add_argument(
@@ -107,16 +120,31 @@ def _simulated(args: argparse.Namespace, costs: Costs, suffix: str) -> list[Time
         raise ValueError(
             "--vs-sim overlays a simulation on a measured timeline: use it with --timeline"
         )
+    limit, what = _limit(suffix)
+    if args.schedule_file is not None:
+        schedule = _from_file(args)
+        check_boxes(schedule.num_ops, limit, what)
+        return [simulate(schedule, costs)]
     names = [args.schedule] if args.schedule else list(args.compare)
     ranks = _per_schedule(args.ranks, len(names), "ranks")
     microbatches = _per_schedule(args.microbatches, len(names), "microbatches")
-    limit, what = _limit(suffix)
     schedules, ops = [], 0
     for name, r, m in zip(names, ranks, microbatches, strict=True):
         schedules.append(generate(name, r, m))
         ops += schedules[-1].num_ops
         check_boxes(ops, limit, what)
     return [simulate(schedule, costs) for schedule in schedules]
+
+
+def _from_file(args: argparse.Namespace):
+    """The schedule of --from; --ranks / --microbatches, if given, must agree with it."""
+
+    def given(value: str | None, option: str) -> int | None:
+        return None if value is None else _per_schedule(value, 1, option)[0]
+
+    return load_schedule_file(
+        args.schedule_file, given(args.ranks, "ranks"), given(args.microbatches, "microbatches")
+    )
 
 
 def _draw_metrics(args: argparse.Namespace, output: Path) -> int:
@@ -130,7 +158,11 @@ def _draw_metrics(args: argparse.Namespace, output: Path) -> int:
     except OSError as error:
         raise ValueError(f"cannot read --metrics {args.metrics}: {error.strerror}") from None
     count = save_loss_curve(records, output, args.entropy, Path(args.metrics).stem)
-    print(f"wrote {output}: the loss of {count} steps")
+    if args.json:
+        print_json({"written": str(output), "format": output.suffix.lower().lstrip("."),
+                    "steps": count})  # fmt: skip
+    else:
+        print(f"wrote {output}: the loss of {count} steps")
     return 0
 
 
@@ -170,5 +202,19 @@ def run(args: argparse.Namespace) -> int:
         from cutpipe.viz import chrome_trace
 
         count = chrome_trace.save(drawing, output)
-    print(f"wrote {output}: {count} ops of {len(timelines)} timeline(s)")
+    if args.json:
+        print_json(
+            {
+                "written": str(output),
+                "format": suffix.lstrip("."),
+                "ops": count,
+                "timelines": [
+                    {"schedule": p.timeline.schedule.name, "title": p.title,
+                     "source": p.timeline.source, "metrics": p.metrics.to_dict()}
+                    for p in drawing.panels
+                ],
+            }
+        )  # fmt: skip
+    else:
+        print(f"wrote {output}: {count} ops of {len(timelines)} timeline(s)")
     return 0

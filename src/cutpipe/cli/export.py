@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from cutpipe.cli.common import output_file, require_torch
+from cutpipe.cli.common import description, output_file, require_torch
 
 ENDINGS = (".safetensors", ".pt")
 
@@ -17,7 +17,7 @@ ENDINGS = (".safetensors", ".pt")
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "export", help="write a checkpoint's model as one .safetensors or .pt file",
-        description=__doc__.splitlines()[0],
+        description=description(__doc__),
     )  # fmt: skip
     parser.add_argument("--checkpoint", required=True, metavar="DIR",
                         help="a --checkpoint-dir of cutpipe train, or one step folder in it")  # fmt: skip

@@ -6,15 +6,15 @@ import argparse
 
 from cutpipe.cli.common import (
     add_model_arguments,
-    add_shape_arguments,
+    add_schedule_source,
     load_model_arguments,
     positive_int,
     print_json,
+    schedule_from_args,
 )
 from cutpipe.plan.costs import model_items, p2p_time, w_memory
 from cutpipe.plan.partition import balance, evaluate, even_sizes
 from cutpipe.plan.recommend import USABLE_MEMORY
-from cutpipe.schedule.registry import generate
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -25,7 +25,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "that the simulated step is shortest and every rank fits in memory; compare with an "
         "even split of the layers.",
     )
-    add_shape_arguments(parser)
+    add_schedule_source(parser)
     add_model_arguments(parser)
     parser.add_argument(
         "--ep", type=positive_int, default=1, help="expert-parallel size (MoE models)"
@@ -36,14 +36,14 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     model, hardware, profile, memory = load_model_arguments(args)
-    schedule = generate(args.schedule, args.ranks, args.microbatches)
+    schedule = schedule_from_args(args)
     within = args.ep <= hardware.gpus_per_node
     items = (
         profile.items_for(hardware, args.ep, within)
         if profile
         else model_items(model, hardware, args.ep, within)
     )
-    comm = p2p_time(model, hardware, within_node=args.ranks <= hardware.gpus_per_node)
+    comm = p2p_time(model, hardware, within_node=schedule.num_ranks <= hardware.gpus_per_node)
     kept = profile.w_memory if profile else w_memory(model)
     cap = (hardware.memory if memory is None else memory) * USABLE_MEMORY
     best = balance(schedule, items, comm, kept, cap)
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{model.name}: {schedule.name} on {args.ranks} x {hardware.name}")
+    table = Table(title=f"{model.name}: {schedule.name} on {schedule.num_ranks} x {hardware.name}")
     for column in ("stage", "rank", "layers", "F+B+W (ms)", "rank memory GB"):
         table.add_column(column, justify="right")
     work = [

@@ -6,12 +6,12 @@ import argparse
 
 from cutpipe.cli.common import (
     add_costs_argument,
-    add_shape_arguments,
+    add_schedule_source,
     fmt,
     output_file,
     print_json,
+    schedule_from_args,
 )
-from cutpipe.schedule.registry import generate
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
 
@@ -27,7 +27,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="Simulate one schedule under a cost model. Costs are per stage of that "
         "schedule: a V-shape stage is half a 1F1B stage and is given its own cost.",
     )
-    add_shape_arguments(parser)
+    add_schedule_source(parser)
     add_costs_argument(parser, "", "stage of this schedule")
     parser.add_argument("--json", action="store_true", help="print the metrics as JSON")
     parser.add_argument(
@@ -37,7 +37,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    schedule = generate(args.schedule, args.ranks, args.microbatches)
+    schedule = schedule_from_args(args)
     timeline = simulate(schedule, args.costs)
     result = metrics(timeline, args.costs)
     if args.timeline is not None:

@@ -24,17 +24,18 @@ from typing import TYPE_CHECKING, Any
 
 from cutpipe.cli.common import (
     SCHEDULE_HELP,
+    description,
     fmt,
     output_file,
     parse_costs,
     positive_float,
     positive_int,
+    readable_file,
     real,
     require_torch,
     schedule_name,
     whole,
 )
-from cutpipe.schedule.registry import generate
 
 if TYPE_CHECKING:
     from cutpipe.train.options import TrainOptions
@@ -48,19 +49,25 @@ MAX_MODEL_ELEMENTS = 2**28
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "train", help="train a model file on text, or run a schedule on a built-in toy model",
-        description=__doc__.splitlines()[0],
+        description=description(__doc__),
     )  # fmt: skip
-    parser.add_argument("--schedule", "-s", required=True, type=schedule_name, metavar="NAME",
-                        help=SCHEDULE_HELP)  # fmt: skip
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--schedule", "-s", type=schedule_name, metavar="NAME", help=SCHEDULE_HELP)
+    source.add_argument("--from", dest="schedule_file", type=readable_file, metavar="FILE",
+                        help="a schedule file (.json from cutpipe schedule -o or tune -o, or a "
+                        ".csv of torch's) for exactly --nproc x --nnodes ranks")  # fmt: skip
     parser.add_argument("--nproc", "-n", type=whole(1, MAX_PROCESSES),
                         help=f"pipeline ranks on this machine (at most {MAX_PROCESSES}); under "
                         "torchrun, torchrun's own")  # fmt: skip
     parser.add_argument("--microbatches", "-m", type=positive_int,
                         help="default: the schedule's minimum, at least 2 x nproc")  # fmt: skip
-    parser.add_argument("--steps", type=positive_int, default=10)
+    parser.add_argument(
+        "--steps", type=positive_int, default=10, help="optimizer steps (default 10)"
+    )
     parser.add_argument("--batch", type=positive_int,
                         help="samples per step (default: 8 per microbatch)")  # fmt: skip
-    parser.add_argument("--width", type=positive_int, default=128)
+    parser.add_argument("--width", type=positive_int, default=128,
+                        help="toy model: features of every Linear block (default 128)")  # fmt: skip
     parser.add_argument("--blocks", type=positive_int,
                         help="Linear+tanh blocks (default: 16, or one per stage)")  # fmt: skip
     parser.add_argument("--lr", type=positive_float,
@@ -74,7 +81,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="seconds per cost unit with --emulate")  # fmt: skip
     parser.add_argument("--trace", type=output_file(), metavar="FILE",
                         help="write the last step's measured timeline as JSON")  # fmt: skip
-    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
+                        help="torch.distributed backend: gloo (CPU) or nccl (one GPU per rank)")  # fmt: skip
     parser.add_argument("--timeout", type=positive_float,
                         help="stop every process after this long (seconds; default 600 for the toy "
                         "model, none with --model)")  # fmt: skip
@@ -96,11 +104,13 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     add("--data", nargs="+", default=[], metavar="PATH",
         help="text files, folders or a prepared token file (default: Python's standard library)")  # fmt: skip
     add("--seq-len", type=positive_int, help="tokens per sequence (default: the model file's)")
-    add("--seed", type=whole(0, 2**63 - 1), default=0)
+    add("--seed", type=whole(0, 2**63 - 1), default=0,
+        help="seeds the weights and the order of the data (default 0)")  # fmt: skip
     add("--warmup", type=whole(0, 10**9), help="warm-up steps (default: 5%% of --steps)")
     add("--min-lr-ratio", type=real(0.0, 1.0, exclusive=False), default=0.1,
         help="cosine decay ends at this fraction of --lr")  # fmt: skip
-    add("--weight-decay", type=real(0.0, exclusive=False), default=0.1)
+    add("--weight-decay", type=real(0.0, exclusive=False), default=0.1,
+        help="AdamW weight decay (default 0.1)")  # fmt: skip
     add("--clip", type=positive_float, default=1.0, help="clip the global gradient norm to this")
     add("--grad-accum", type=positive_int, default=1, help="pipeline steps per optimizer step")
     add("--dtype", choices=DTYPES, default="fp32", help="bf16: autocast, fp32 master weights")
@@ -125,12 +135,6 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     add("--quiet", action="store_true", help="no progress line")
 
 
-def readable_file(text: str) -> str:
-    if not os.path.isfile(text):
-        raise argparse.ArgumentTypeError(f"no such file: {text}")
-    return text
-
-
 def step_range(text: str) -> tuple[int, int]:
     first, sep, last = text.partition(":")
     try:
@@ -146,13 +150,11 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     """Every setting checked (and torch found) before any process starts."""
     if args.nproc is None:
         raise ValueError("give the number of processes: --nproc N")
-    from cutpipe.train.options import default_microbatches
+    from cutpipe.train.options import resolve_schedule
 
-    ranks = args.nproc
-    m = args.microbatches
-    if m is None:
-        m = default_microbatches(args.schedule, ranks)
-    schedule = generate(args.schedule, ranks, m)  # checks the shape before any process starts
+    # checks the shape (or the file) before any process starts
+    schedule = resolve_schedule(_schedule(args), args.nproc, args.microbatches)
+    m = schedule.num_microbatches
     blocks = max(16, schedule.num_stages) if args.blocks is None else args.blocks
     if blocks < schedule.num_stages:
         raise ValueError(
@@ -173,7 +175,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             )
     require_torch()
     return {
-        "schedule": args.schedule, "microbatches": m, "steps": args.steps, "batch": batch,
+        "schedule": _schedule(args), "microbatches": m, "steps": args.steps, "batch": batch,
         "width": args.width, "blocks": blocks, "emulate": args.emulate,
         "costs": args.costs, "time_unit": args.time_unit, "trace": args.trace,
         "backend": args.backend, "step_timeout": args.step_timeout,
@@ -189,8 +191,9 @@ def train_rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]
     from cutpipe.models import mlp
     from cutpipe.runtime import PipelineRunner
     from cutpipe.sim import Costs
+    from cutpipe.train.options import resolve_schedule
 
-    schedule = generate(options["schedule"], world, options["microbatches"])
+    schedule = resolve_schedule(options["schedule"], world, options["microbatches"])
     record = options["emulate"] or options["trace"] is not None
     device = torch.device("cpu")
     if options["backend"] == "nccl":  # one GPU per rank
@@ -258,12 +261,23 @@ def train_rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]
     return result
 
 
+def _schedule(args: argparse.Namespace) -> str:
+    """The schedule the run uses: a name, or the path of --from (``resolve_schedule`` reads it)."""
+    if args.schedule_file is None:
+        return args.schedule
+    from cutpipe.train.options import is_schedule_file
+
+    if not is_schedule_file(args.schedule_file):
+        raise ValueError(f"--from {args.schedule_file}: name a .json or .csv schedule file")
+    return os.path.abspath(args.schedule_file)
+
+
 def train_options(args: argparse.Namespace) -> TrainOptions:
     """The run ``--model`` asks for, checked."""
     from cutpipe.train.options import TrainOptions
 
     return TrainOptions(
-        model=args.model, schedule=args.schedule, steps=args.steps, microbatches=args.microbatches,
+        model=args.model, schedule=_schedule(args), steps=args.steps, microbatches=args.microbatches,
         batch=args.batch, seq_len=args.seq_len, data=tuple(args.data), seed=args.seed,
         lr=3e-3 if args.lr is None else args.lr, min_lr_ratio=args.min_lr_ratio,
         warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
@@ -278,7 +292,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
 def run_model(args: argparse.Namespace) -> int:
     """Train ``--model``: as a worker under torchrun, or by starting the workers."""
     from cutpipe.train.launch import Launch, LaunchFailed, is_worker, launch
-    from cutpipe.train.options import default_microbatches
+    from cutpipe.train.options import resolve_schedule
 
     options = train_options(args)
     if is_worker():
@@ -295,9 +309,8 @@ def run_model(args: argparse.Namespace) -> int:
     from cutpipe.models.config import load_model_config
 
     load_model_config(options.model)  # a broken model file fails here, once
-    ranks = args.nproc * args.nnodes
-    m = options.microbatches or default_microbatches(options.schedule, ranks)
-    generate(options.schedule, ranks, m)  # a shape the schedule refuses fails here, once
+    # a shape the schedule refuses, or a file for other ranks, fails here, once
+    resolve_schedule(options.schedule, args.nproc * args.nnodes, options.microbatches)
     for path in options.data:
         if not os.path.exists(path):
             raise ValueError(f"--data {path}: no such file or folder")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from contextlib import suppress
 
 from cutpipe.cli.common import (
@@ -14,9 +13,9 @@ from cutpipe.cli.common import (
     print_json,
     real,
 )
-from cutpipe.files import write_text
 from cutpipe.plan.bounds import v_bubble_lower_bound
 from cutpipe.plan.scheduler import FIXED, cost_aware, default_cap
+from cutpipe.schedule.fileformat import ENDINGS, save_schedule
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.sim.costs import MAX_COST
 from cutpipe.sim.metrics import metrics
@@ -35,9 +34,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="Place F, B and W passes (and, on a V, the order of chunks) by simulated time "
         "for the given costs, under a per-rank activation cap, and compare with the fixed orders.",
     )
-    parser.add_argument("--placement", choices=("linear", "v"), default="v")
+    parser.add_argument("--placement", choices=("linear", "v"), default="v",
+                        help="one stage per rank (linear) or two folded into a V (default v)")  # fmt: skip
     parser.add_argument("--ranks", "-r", type=positive_int, required=True, help="pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=positive_int, required=True)
+    parser.add_argument("--microbatches", "-m", type=positive_int, required=True,
+                        help="microbatches per step")  # fmt: skip
     add_costs_argument(parser, "", "stage (a V stage is half a rank's layers)")
     parser.add_argument(
         "--memory-cap",
@@ -51,7 +52,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seconds", type=real(0.0, exclusive=False, unit="seconds"),
                         default=1.0, help="local-search budget")  # fmt: skip
     parser.add_argument(
-        "-o", "--output", type=output_file(), metavar="FILE", help="write the schedule as JSON"
+        "-o",
+        "--output",
+        type=output_file(tuple(ENDINGS)),
+        metavar="FILE",
+        help="write the tuned schedule: .json (cutpipe's format, for --from in simulate, draw, "
+        "compare and train) or .csv (torch's)",
     )
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
     parser.set_defaults(run=run)
@@ -73,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         with suppress(ValueError):  # per-stage costs, all-to-alls: the bound does not cover them
             floor = v_bubble_lower_bound(R, m, costs, cap)
     if args.output is not None:
-        write_text(args.output, json.dumps(tuned.to_dict(), allow_nan=False) + "\n")
+        save_schedule(tuned, args.output)
     if args.json:
         report = {name: result.to_dict() for name, result in rows}
         if floor is not None:

@@ -74,18 +74,31 @@ def compare(
     ranks: int = DEFAULT_RANKS,
     microbatches: int = DEFAULT_MICROBATCHES,
     costs: Costs = DEFAULT_COSTS,
-    schedules: tuple[str, ...] = DEFAULT_SCHEDULES,
+    schedules: tuple[str | Schedule, ...] = DEFAULT_SCHEDULES,
 ) -> list[ComparisonRow]:
-    """Simulate each schedule on ``ranks`` devices beside its published closed form."""
+    """Simulate each schedule on ``ranks`` devices beside its published closed form.
+
+    A schedule is a name, generated here, or a ``Schedule`` (read from a file, tuned), which
+    must be one for ``ranks`` ranks and ``microbatches`` microbatches; it has no closed form.
+    """
     baseline = metrics(simulate(generate("1f1b", ranks, microbatches), costs), costs)
     rows = []
-    for name in schedules:
-        info = schedule_info(name)
-        try:
-            schedule = generate(name, ranks, microbatches)
-        except ValueError as error:
-            rows.append(ComparisonRow(name, info.title, error=str(error)))
-            continue
+    for entry in schedules:
+        if isinstance(entry, Schedule):
+            name, title = entry.name, entry.name
+            if (entry.num_ranks, entry.num_microbatches) != (ranks, microbatches):
+                rows.append(ComparisonRow(name, title, error=(
+                    f"a schedule for {entry.num_ranks} ranks and {entry.num_microbatches} "
+                    f"microbatches, not {ranks} and {microbatches}: pass -r and -m to match")))  # fmt: skip
+                continue
+            schedule = entry
+        else:
+            name, title = entry, schedule_info(entry).title
+            try:
+                schedule = generate(name, ranks, microbatches)
+            except ValueError as error:
+                rows.append(ComparisonRow(name, title, error=str(error)))
+                continue
         own = stage_costs(schedule, costs)
         result = metrics(simulate(schedule, own), own)
         form = CLOSED_FORMS.get(name)
@@ -93,7 +106,7 @@ def compare(
         rows.append(
             ComparisonRow(
                 schedule=name,
-                title=info.title,
+                title=title,
                 metrics=result,
                 formula=form.bubble_text if form else None,
                 measure=form.measure if form else None,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cutpipe.train.options import TrainOptions, default_microbatches
+from cutpipe.train.options import TrainOptions, resolve_schedule
 
 
 @dataclass
@@ -121,7 +121,6 @@ class Trainer:
         from cutpipe.runtime.modules import Stage
         from cutpipe.runtime.recompute import apply_recompute
         from cutpipe.runtime.saved import SavedMeter
-        from cutpipe.schedule.registry import generate
         from cutpipe.train.optim import build_optimizer, mirror_copies, warmup_cosine
 
         self.options = options
@@ -130,8 +129,8 @@ class Trainer:
         if options.seq_len is not None:
             spec = replace(spec, seq_len=options.seq_len)
         self.spec = spec
-        m = options.microbatches or default_microbatches(options.schedule, self.world)
-        self.schedule = generate(options.schedule, self.world, m)
+        self.schedule = resolve_schedule(options.schedule, self.world, options.microbatches)
+        m = self.schedule.num_microbatches
         self.batch = options.batch or spec.microbatch_size * m
         if self.batch % m:
             raise ValueError(
