@@ -52,6 +52,8 @@ class ScheduleInfo:
     params: tuple[Param, ...] = ()
     aliases: tuple[str, ...] = ()  # other names, lower case without a "schedule" prefix
     values: tuple[tuple[str, int], ...] = ()  # parameters bound by ``bind``, in declared order
+    #: what pictures call it, where a table's short title would not say enough
+    picture_title: str = ""
 
     def __post_init__(self) -> None:
         for param in self.params:
@@ -68,6 +70,13 @@ class ScheduleInfo:
         """``Interleaved 1F1B``, or ``Interleaved 1F1B (chunks=4)`` away from the defaults."""
         changed = self.spec.split(":")[1:]
         return f"{self.base_title} ({', '.join(changed)})" if changed else self.base_title
+
+    @property
+    def display_title(self) -> str:
+        """``title`` as pictures show it: ``Cut-in-half (DualPipeV)`` for ``dualpipev``."""
+        if not self.picture_title:
+            return self.title
+        return self.title.replace(self.base_title, self.picture_title, 1)
 
     @property
     def spec(self) -> str:
@@ -194,6 +203,7 @@ SCHEDULES: dict[str, ScheduleInfo] = {
             "ranks >= 1, microbatches >= 2R-1",
             least_microbatches=lambda r: 2 * r - 1,
             stages_per_rank=2,
+            picture_title="Cut-in-half (DualPipeV)",
         ),
     )
 }

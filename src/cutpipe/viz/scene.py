@@ -9,10 +9,11 @@ scenes rather than pixels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cutpipe.schedule.actions import Action, Overlap, units
 from cutpipe.schedule.dataflow import Key, awaited, produced
+from cutpipe.schedule.registry import schedule_info
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.memory import activation_trace
 from cutpipe.sim.metrics import Metrics, metrics
@@ -53,6 +54,10 @@ class Box:
     waited: str  # why it started when it did
 
 
+#: Kinds in the order legends list them.
+KIND_ORDER = ("F", "B", "W", "BW", "FB")
+
+
 @dataclass(frozen=True)
 class Panel:
     """One schedule's timeline, ready to draw."""
@@ -63,10 +68,23 @@ class Panel:
     memory: list[list[tuple[float, float]]]  # per rank: (time, live activations) steps
     metrics: Metrics
     ghost: list[Box] | None = None  # a simulated prediction drawn over a measured timeline
+    #: the schedule's display name: "Cut-in-half (DualPipeV)", "ZB-V", "Interleaved 1F1B", ...
+    display: str = ""
+    #: parameters the fullest rank stores, as a multiple of an even 1/R split: DualPipe keeps
+    #: every stage on two ranks (2x), Cut-in-half and every single-pipe schedule once (1x)
+    parameter_copies: float = 1.0
+    #: per rank, (earlier panel, its rank) whose row this one repeats box for box, or None
+    same_as: tuple[tuple[int, int] | None, ...] = ()
 
     @property
     def ranks(self) -> int:
         return self.timeline.num_ranks
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds of op this panel (and its ghost) shows, in legend order."""
+        present = {b.kind for b in self.boxes} | {b.kind for b in self.ghost or ()}
+        return tuple(kind for kind in KIND_ORDER if kind in present)
 
 
 @dataclass(frozen=True)
@@ -81,6 +99,22 @@ class Scene:
     @property
     def box_count(self) -> int:
         return sum(len(p.boxes) for p in self.panels)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds of op any panel shows, in legend order (what a legend should list)."""
+        present = {kind for p in self.panels for kind in p.kinds}
+        return tuple(kind for kind in KIND_ORDER if kind in present)
+
+
+def display_name(name: str) -> str:
+    """What a picture calls a schedule: the registry's title ("Cut-in-half (DualPipeV)", "ZB-V",
+    "Interleaved 1F1B (chunks=4)"); a name the registry does not know (a tuned or imported
+    schedule) as it is."""
+    try:
+        return schedule_info(name).display_title
+    except (TypeError, ValueError):
+        return name
 
 
 def _index_in_pipe(timeline: Timeline, microbatch: int) -> int:
@@ -184,10 +218,12 @@ def panel(timeline: Timeline, costs: Costs | None = None, ghost: Timeline | None
     schedule = timeline.schedule
     result = metrics(timeline, costs)
     measured = "measured " if timeline.source == "measured" else ""
+    display = display_name(schedule.name)
+    copies = max(schedule.placement.parameter_shares()) * schedule.num_ranks
     title = (
-        f"{measured}{schedule.name}: R={schedule.num_ranks}, m={schedule.num_microbatches}, "
+        f"{measured}{display}: R={schedule.num_ranks}, m={schedule.num_microbatches}, "
         f"bubble {result.bubble_ratio:.1%} (span {result.bubble_ratio_span:.1%}), "
-        f"peak activations {max(result.peak_activations_per_rank):g}"
+        f"peak activations {max(result.peak_activations_per_rank):g}, params {copies:g}x"
     )
     comm = costs.comm if timeline.source == "simulated" else 0.0
     return Panel(
@@ -197,7 +233,30 @@ def panel(timeline: Timeline, costs: Costs | None = None, ghost: Timeline | None
         memory=_memory(timeline, costs),
         metrics=result,
         ghost=_boxes(ghost, costs.comm) if ghost is not None else None,
+        display=display,
+        parameter_copies=copies,
+        same_as=(None,) * schedule.num_ranks,
     )
+
+
+def _row_signature(panel: Panel, rank: int) -> tuple:
+    return tuple((b.start, b.end, b.kind, b.label) for b in panel.boxes if b.rank == rank)
+
+
+def _mark_shared_rows(panels: list[Panel]) -> list[Panel]:
+    """Each row that repeats an earlier panel's row box for box (times, kinds, labels) points at
+    it: Cut-in-half's rows are DualPipe's first half, which the pictures then say."""
+    first_seen: dict[tuple, tuple[int, int]] = {}
+    marked = []
+    for index, each in enumerate(panels):
+        same_as: list[tuple[int, int] | None] = []
+        for rank in range(each.ranks):
+            signature = _row_signature(each, rank)
+            earlier = first_seen.get(signature) if signature else None
+            same_as.append(earlier if earlier is not None and earlier[0] != index else None)
+            first_seen.setdefault(signature, (index, rank))
+        marked.append(replace(each, same_as=tuple(same_as)))
+    return marked
 
 
 def scene(timelines: list[Timeline], costs: list[Costs] | Costs | None = None,
@@ -213,6 +272,5 @@ def scene(timelines: list[Timeline], costs: list[Costs] | Costs | None = None,
     if len(units_) > 1:
         raise ValueError(f"cannot stack timelines in different units on one axis: {sorted(units_)}")
     per = costs if isinstance(costs, list) else [costs] * len(timelines)
-    return Scene(
-        [panel(t, c, g) for t, c, g in zip(timelines, per, ghosts, strict=True)], units_.pop()
-    )
+    panels = [panel(t, c, g) for t, c, g in zip(timelines, per, ghosts, strict=True)]
+    return Scene(_mark_shared_rows(panels), units_.pop())

@@ -22,10 +22,24 @@ KIND_NAMES = {
     "BW": "BW full backward",
     "FB": "F&B overlapped pair",
 }
+#: What a legend adds to a kind's name: how to read the box's label where it is not a plain
+#: microbatch number.
+KIND_LABEL_NOTES = {"FB": "label: forward mb / backward mb"}
 LEG_HATCH = {0: "", 1: "///"}
 LEG_EDGE = {0: "#4d4d4d", 1: "#111111"}
 IDLE_COLOUR = "#ececec"
 TEXT_ON = {"F": "#000000", "B": "#000000", "W": "#000000", "BW": "#ffffff", "FB": "#ffffff"}
+#: Rows that repeat an earlier schedule's rows are bracketed in this colour, apart from every kind.
+SHARED_COLOUR = "#b2182b"
+#: What live activation memory is counted in (``Costs.activation``: what one F of one stage
+#: leaves live for its backward), so a memory axis can say it.
+MEMORY_UNIT = "stage-microbatch activations"
+
+
+def legend_name(kind: str) -> str:
+    """A kind's legend entry: its name, and how to read its box label where that needs saying."""
+    note = KIND_LABEL_NOTES.get(kind)
+    return f"{KIND_NAMES[kind]} ({note})" if note else KIND_NAMES[kind]
 
 
 def relative_luminance(colour: str) -> float:
