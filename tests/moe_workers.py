@@ -97,12 +97,14 @@ def pipeline_exactness(
         trace: list = []
         for stage in stages.values():
             stage.trace = trace
+        # the replicas' average, each stage's started as soon as its last backward has run
+        reducer = mesh.gradient_reducer(expert_parameters(model))
         runner = PipelineRunner(
-            schedule, stages, LanguageModelLoss(), group=mesh.pp_group, loss_reduction=reduction
-        )
+            schedule, stages, LanguageModelLoss(), group=mesh.pp_group, loss_reduction=reduction,
+            reducer=reducer,
+        )  # fmt: skip
         x, y = tokens(mesh.replicas * m * TINY.microbatch_size, TINY)
         loss = runner.step(mesh.shard(x), mesh.shard(y))
-        mesh.reduce_gradients(runner.parameters(), expert_parameters(model))
         expected = reference(twin, x, y, mesh.replicas, m, reduction)
         with torch.no_grad():
             evaluated = runner.step(mesh.shard(x), mesh.shard(y))

@@ -128,7 +128,9 @@ def test_a_rank_that_fails_outside_its_ops_is_named_with_where_it_was(how):
     if how == "raise":
         assert "rank 1 raised ValueError: the data loader broke" in text, text
         assert "between steps (after step 1)" in text, text
-        assert victim.exitcode == 1 and not victim.ok  # never "exit code 0"
+        # never "exit code 0": 1 from the exception, or, on a loaded machine, SIGABRT from a
+        # C++ thread torn down while the interpreter exits after it (seen once in a busy run)
+        assert victim.exitcode in (1, -6) and not victim.ok
         assert victim.reason == "ValueError: the data loader broke"
     else:
         assert "rank 1 died (last seen in step 2" in text, text

@@ -57,6 +57,22 @@ def test_pipelined_training_follows_one_process(model_file):
 
 
 @pytest.mark.timeout(300)
+def test_data_parallel_replicas_follow_one_process(model_file):
+    """PP2 x DP2 with ZeRO-1 on the same global batch (each replica half of it): the losses of
+    one process running all eight microbatches (tests/test_data_parallel.py checks every mode's
+    gradients and parameters; this is the trainer's wiring: mesh, shards, sharded AdamW)."""
+    same = dict(steps=3, batch=16)
+    reference = run(
+        workers.train_rank, 1, (options(model_file, "1f1b", microbatches=8, **same),), timeout=240
+    )[0]
+    settings = options(model_file, "dualpipev", dp=2, dp_mode="zero1", microbatches=4, **same)
+    ranks = run(workers.train_rank, 4, (settings,), timeout=240)
+    assert len(ranks[0]["losses"]) == 3
+    for got, want in zip(ranks[0]["losses"], reference["losses"], strict=True):
+        assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.timeout(300)
 def test_full_recompute_halves_the_activation_peak_at_equal_losses(model_file):
     peaks, losses = {}, {}
     for mode in ("none", "full"):

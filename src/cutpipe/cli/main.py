@@ -24,6 +24,7 @@ from cutpipe.cli import (
     bench,
     compare,
     data,
+    doctor,
     draw,
     export,
     partition,
@@ -97,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (
         simulate, compare, schedule, draw, train, tune, partition, recommend, profile, bench, data,
-        export,
+        export, doctor,
     ):  # fmt: skip
         module.register(commands)
     for child in _subparsers(parser):

@@ -95,7 +95,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of a real training run (``--model``)."""
-    from cutpipe.train.options import DTYPES, RECOMPUTE
+    from cutpipe.train.options import DP_MODES, DTYPES, RECOMPUTE
 
     real_run = parser.add_argument_group("training a model file (--model)")
     add = real_run.add_argument
@@ -127,6 +127,11 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     add("--log", type=output_file(), metavar="FILE", help="write metrics as JSON lines")
     add("--profile-steps", type=step_range, metavar="A:B", help="torch.profiler over steps A..B")
     add("--profile-dir", default="profile", metavar="DIR", help="where profiler traces go")
+    add("--dp", type=whole(1, 10**4), default=1,
+        help="data-parallel replicas: the processes form pipelines of (nproc x nnodes) / dp ranks")  # fmt: skip
+    add("--dp-mode", choices=DP_MODES, default="allreduce",
+        help="allreduce: every replica keeps all optimizer state; zero1: optimizer state sharded "
+        "over the replicas; fsdp: parameters sharded too (FSDP2)")  # fmt: skip
     add("--nnodes", type=whole(1, 10**4), default=1, help="machines (agents) in the run")
     add("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous shared by every node")
     add("--rdzv-id", metavar="ID", help="run id shared by every node")
@@ -150,6 +155,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     """Every setting checked (and torch found) before any process starts."""
     if args.nproc is None:
         raise ValueError("give the number of processes: --nproc N")
+    if args.dp != 1 or args.dp_mode != "allreduce":
+        raise ValueError("--dp and --dp-mode train a model file: add --model FILE")
     from cutpipe.train.options import resolve_schedule
 
     # checks the shape (or the file) before any process starts
@@ -285,7 +292,8 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep=args.keep, resume=args.resume, log=None if args.log is None else str(args.log),
         profile_steps=args.profile_steps, profile_dir=args.profile_dir,
-        step_timeout=args.step_timeout, backend=args.backend, quiet=args.quiet,
+        step_timeout=args.step_timeout, backend=args.backend, quiet=args.quiet, dp=args.dp,
+        dp_mode=args.dp_mode,
     )  # fmt: skip
 
 
@@ -310,7 +318,13 @@ def run_model(args: argparse.Namespace) -> int:
 
     load_model_config(options.model)  # a broken model file fails here, once
     # a shape the schedule refuses, or a file for other ranks, fails here, once
-    resolve_schedule(options.schedule, args.nproc * args.nnodes, options.microbatches)
+    processes = args.nproc * args.nnodes
+    if processes % options.dp:
+        raise ValueError(
+            f"{processes} processes do not split into --dp {options.dp} replicas: start a "
+            f"multiple of {options.dp} (--nproc x --nnodes)"
+        )
+    resolve_schedule(options.schedule, processes // options.dp, options.microbatches)
     for path in options.data:
         if not os.path.exists(path):
             raise ValueError(f"--data {path}: no such file or folder")

@@ -26,9 +26,7 @@ def reduce_gradients(
     reduce(flat)
     if scale != 1.0:
         flat *= scale
-    for parameter, value in zip(
-        parameters, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
-    ):
+    for parameter, value in zip(parameters, unflatten(flat, grads), strict=True):
         if parameter.grad is None:
             parameter.grad = value.clone()
         else:
@@ -42,7 +40,12 @@ def share_values(parameters: Sequence[nn.Parameter], move: Callable[[torch.Tenso
         return
     flat = torch.cat([p.detach().reshape(-1) for p in parameters])
     move(flat)
-    for parameter, value in zip(
-        parameters, torch._utils._unflatten_dense_tensors(flat, parameters), strict=True
-    ):
+    for parameter, value in zip(parameters, unflatten(flat, parameters), strict=True):
         parameter.copy_(value)
+
+
+def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped as each of ``like``, in order (the inverse of concatenating
+    their flattened values)."""
+    pieces = flat.split([t.numel() for t in like])
+    return [piece.view_as(t) for piece, t in zip(pieces, like, strict=True)]

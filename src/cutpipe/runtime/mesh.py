@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cutpipe.runtime.flat import reduce_gradients
+from cutpipe.runtime.data_parallel import AllReduce
 
 
 def check_experts(experts: int, ep: int, top_k: int | None = None) -> None:
@@ -107,28 +107,30 @@ class ParallelMesh:
     def reduce_gradients(
         self, parameters: Iterable[nn.Parameter], sharded: Iterable[nn.Parameter] = ()
     ) -> None:
-        """Average gradients over the replicas; ``sharded`` (experts) live on one EP rank each.
+        """Average gradients over the replicas now; ``sharded`` (experts) live on one EP rank each.
 
         Replicated parameters are summed over EP and DP, experts over DP only (their EP
         neighbours hold other experts and already received these experts' gradients through the
-        combine's backward); both are divided by ``dp * ep``.
+        combine's backward); both are divided by ``dp * ep``. ``gradient_reducer`` does the same
+        inside the step, stage by stage.
         """
-        if self.replicas == 1:
-            return
+        reducer = self.gradient_reducer(sharded)
+        reducer.stage_done(0, list(parameters))
+        reducer.finish()
+
+    def gradient_reducer(self, sharded: Iterable[nn.Parameter] = ()) -> AllReduce:
+        """A ``PipelineRunner(reducer=...)`` that averages each stage's gradients over the
+        replicas as ``reduce_gradients`` does, started as soon as the stage's last backward of
+        the step has run (``cutpipe.runtime.data_parallel``)."""
         experts = {id(p) for p in sharded}
-        parameters = list(parameters)
-        replicated = [p for p in parameters if id(p) not in experts]
-        own = [p for p in parameters if id(p) in experts]
-        groups = [(self.ep_group, self.layout.ep), (self.dp_group, self.layout.dp)]
-        self._average(replicated, [g for g, size in groups if size > 1])
-        self._average(own, [self.dp_group] if self.layout.dp > 1 else [])
-
-    def _average(self, parameters: list[nn.Parameter], groups: list[dist.ProcessGroup]) -> None:
-        def reduce(flat: torch.Tensor) -> None:
-            for group in groups:
-                dist.all_reduce(flat, group=group)
-
-        reduce_gradients(parameters, reduce, scale=1.0 / self.replicas)
+        replicated = [g for g, size in ((self.ep_group, self.layout.ep),
+                                        (self.dp_group, self.layout.dp)) if size > 1]  # fmt: skip
+        own = [self.dp_group] if self.layout.dp > 1 else []
+        return AllReduce(
+            replicated,
+            scale=1.0 / self.replicas,
+            groups_of=lambda parameter: own if id(parameter) in experts else replicated,
+        )
 
     def average(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of ``value`` over the replicas (e.g. each pipeline's loss)."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from cutpipe.sim.costs import Costs
 
 if TYPE_CHECKING:
+    from cutpipe.runtime.data_parallel import GradientReducer
     from cutpipe.runtime.protocols import Executor, ExecutorContext, Transport, TransportContext
 
 #: seconds a rank may go without completing an op before the watchdog stops the pipeline
@@ -45,6 +46,9 @@ class RunnerOptions:
         ``step_timeout=None`` turns the progress watchdog off.
     make_executor, make_transport: factories of this rank's executor and transport (None: the
         stage executor, or the emulated one with ``emulate``; the point-to-point ``Mailbox``).
+    reducer: data parallelism: averages each stage's gradients over its replicas, started as
+        soon as the stage's last backward of the step has run (``cutpipe.runtime.data_parallel``;
+        ``ParallelMesh.gradient_reducer()`` builds one). None: no data parallelism.
     """
 
     loss_reduction: str = "mean"
@@ -64,6 +68,7 @@ class RunnerOptions:
     exit_after: float = 10.0
     make_executor: Callable[[ExecutorContext], Executor] | None = None
     make_transport: Callable[[TransportContext], Transport] | None = None
+    reducer: GradientReducer | None = None
 
     def __post_init__(self) -> None:
         if self.loss_reduction not in ("sum", "mean"):
@@ -91,6 +96,13 @@ class RunnerOptions:
             raise ValueError(
                 f"step_timeout ({self.step_timeout:g} s) must be longer than the heartbeat "
                 f"({self.heartbeat:g} s)"
+            )
+        if self.reducer is not None and not all(
+            callable(getattr(self.reducer, name, None)) for name in ("stage_done", "finish")
+        ):
+            raise TypeError(
+                "reducer must have stage_done(stage, parameters) and finish() (a "
+                f"cutpipe.runtime.data_parallel.GradientReducer), got {type(self.reducer).__name__}"
             )
         for name in ("make_executor", "make_transport"):
             factory = getattr(self, name)

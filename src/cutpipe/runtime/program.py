@@ -105,6 +105,16 @@ class RankProgram:
             [(half.receives, half.source) for half in halves(op) if half.receives is not None]
             for op in self.ops
         ]
+        #: op index -> the stages whose weight gradients are complete once it has run: the last
+        #: op of the step that computes any of the stage's (its last W, BW or, unsplit, B)
+        self.grads_done: dict[int, list[int]] = {}
+        last: dict[int, int] = {}
+        for index, op in enumerate(self.ops):
+            for half in halves(op):
+                if half.kind != F_CODE:
+                    last[half.stage] = index
+        for stage, index in sorted(last.items()):
+            self.grads_done.setdefault(index, []).append(stage)
         #: (stage, microbatch) whose backward on this rank is split into B and W
         self.split_slots = frozenset(
             (half.stage, half.microbatch)

@@ -209,6 +209,8 @@ class PipelineRunner:
             ExecutorContext(schedule, self._program, self._modules, loss_fn, self.device, options)
         )
         self._mirrored = schedule.placement.num_pipes > 1
+        self._reducer = options.reducer if options.emulate is None else None
+        self._stage_parameters = _parameters_by_stage(self._program, self._modules)
         self._times: tuple[list[float], list[float]] | None = None
         self._ops: list = self._program.ops
         self._last_signature: list[int] | None = None
@@ -401,6 +403,8 @@ class PipelineRunner:
             agreed()  # settled before the step ends, whatever the transport did
             progress.ops_done += 1
             self._executor.end_step()
+            if training and self._reducer is not None:
+                self._reducer.finish()
             if summed:
                 self._collectives.sum_copies(self.parameters())
             return self._total_loss()
@@ -503,6 +507,8 @@ class PipelineRunner:
         depth = self.options.prefetch
         # under torch.profiler every op is a range named as torch's schedules name theirs
         labels = _profiler_labels(ops) if torch._C._autograd._profiler_enabled() else None
+        reducer = self._reducer if torch.is_grad_enabled() else None
+        grads_done = program.grads_done
         for index, op in enumerate(ops):
             self._position = index
             if transport is not None and index + depth < len(ops):
@@ -513,6 +519,9 @@ class PipelineRunner:
             else:
                 with torch.profiler.record_function(labels[index]):
                     self._run_op(op, batch, index, starts, ends, origin)
+            if reducer is not None and index in grads_done:
+                for stage in grads_done[index]:  # the stage's reduction hides behind the rest
+                    reducer.stage_done(stage, self._stage_parameters[stage])
         self._times = (starts, ends) if record else None
 
     def _run_op(
@@ -659,6 +668,27 @@ def _profiler_labels(ops: Sequence[Any]) -> list[str]:
 
 
 @torch.no_grad()
+def _parameters_by_stage(
+    program: RankProgram, modules: Mapping[int, nn.Module]
+) -> dict[int, list[nn.Parameter]]:
+    """Each trainable parameter under the stage whose gradients complete last of those that use
+    it (a weight two stages share is complete only after both), so that each is reduced once."""
+    done_order = [
+        stage for index in sorted(program.grads_done) for stage in program.grads_done[index]
+    ]
+    owner: dict[int, int] = {}
+    unique: dict[int, nn.Parameter] = {}
+    for stage in done_order:
+        for parameter in modules[stage].parameters() if stage in modules else ():
+            if parameter.requires_grad:
+                owner[id(parameter)] = stage
+                unique[id(parameter)] = parameter
+    grouped: dict[int, list[nn.Parameter]] = {stage: [] for stage in done_order}
+    for key, parameter in unique.items():
+        grouped[owner[key]].append(parameter)
+    return grouped
+
+
 def _halve_carried(parameters: Sequence[nn.Parameter]) -> None:
     """DualPipe sums its two copies' whole gradients after a step; gradients carried in from
     earlier steps (accumulation) are the same on both copies, so each keeps half of them and the

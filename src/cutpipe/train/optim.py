@@ -111,11 +111,14 @@ def build_optimizer(
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
-) -> torch.optim.AdamW:
+    shard_over: dist.ProcessGroup | None = None,
+) -> torch.optim.Optimizer:
     """AdamW over ``decay_groups``: this rank's parameters, decay on matrices only.
 
     Every rank builds its own from its own parameters; DualPipe's two copies of a stage get the
-    same gradients and so take the same steps.
+    same gradients and so take the same steps. With ``shard_over`` (the data-parallel group,
+    ZeRO-1) each replica keeps the AdamW state of its share of the parameters only, steps them,
+    and broadcasts them to the others (torch's ``ZeroRedundancyOptimizer``).
     """
     if not _finite(lr) or lr <= 0:
         raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
@@ -124,7 +127,14 @@ def build_optimizer(
     if not _finite(eps) or eps <= 0:
         raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
     groups = decay_groups(named_parameters, weight_decay)
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps)
+    if shard_over is None or dist.get_world_size(shard_over) == 1:
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(
+        groups, optimizer_class=torch.optim.AdamW, process_group=shard_over, lr=lr,
+        betas=tuple(betas), eps=eps,
+    )  # fmt: skip
 
 
 # -- the learning rate over the run ----------------------------------------------------------

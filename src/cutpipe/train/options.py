@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 DTYPES = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
+#: data parallelism next to the pipeline (cutpipe.runtime.data_parallel, cutpipe.runtime.fsdp)
+DP_MODES = ("allreduce", "zero1", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,10 @@ class TrainOptions:
     checkpoint_every: steps between checkpoints (0: only the last step, with a directory).
     resume: continue from the latest complete checkpoint in ``checkpoint_dir``.
     profile_steps: (first, last) step, 1-based and inclusive, traced with torch.profiler.
+    dp: data-parallel replicas: the processes form a (pipeline, dp) mesh, each pipeline trains
+        on its share of every batch and the runner averages the gradients over the replicas.
+    dp_mode: "allreduce" (every replica keeps all optimizer state), "zero1" (optimizer state
+        sharded over the replicas) or "fsdp" (parameters sharded too, FSDP2).
     """
 
     model: str
@@ -59,6 +65,8 @@ class TrainOptions:
     step_timeout: float | None = 60.0
     backend: str = "gloo"
     quiet: bool = False
+    dp: int = 1
+    dp_mode: str = "allreduce"
 
     def __post_init__(self) -> None:
         problems = []
@@ -85,6 +93,15 @@ class TrainOptions:
         if self.recompute not in RECOMPUTE:
             problems.append(
                 f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}"
+            )
+        if not isinstance(self.dp, int) or self.dp < 1:
+            problems.append(f"dp must be a whole number >= 1, got {self.dp!r}")
+        if self.dp_mode not in DP_MODES:
+            problems.append(f"dp_mode must be one of {', '.join(DP_MODES)}, got {self.dp_mode!r}")
+        if self.dp_mode == "zero1" and self.checkpoint_dir:
+            problems.append(
+                "zero1 shards the optimizer state in a form DCP does not save yet: use "
+                "--dp-mode allreduce or fsdp with --checkpoint-dir"
             )
         if self.checkpoint_every < 0:
             problems.append(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")

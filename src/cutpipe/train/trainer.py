@@ -118,6 +118,7 @@ class Trainer:
         from cutpipe.models.config import load_model_config
         from cutpipe.models.transformer import LanguageModelLoss, Layer, language_model
         from cutpipe.runtime import PipelineRunner
+        from cutpipe.runtime.mesh import build_mesh
         from cutpipe.runtime.modules import Stage
         from cutpipe.runtime.recompute import apply_recompute
         from cutpipe.runtime.saved import SavedMeter
@@ -129,18 +130,28 @@ class Trainer:
         if options.seq_len is not None:
             spec = replace(spec, seq_len=options.seq_len)
         self.spec = spec
-        self.schedule = resolve_schedule(options.schedule, self.world, options.microbatches)
-        m = self.schedule.num_microbatches
-        self.batch = options.batch or spec.microbatch_size * m
-        if self.batch % m:
+        if self.world % options.dp:
             raise ValueError(
-                f"batch {self.batch} does not split into {m} microbatches: use a multiple of {m}"
+                f"{self.world} processes do not split into {options.dp} data-parallel replicas: "
+                f"start a multiple of {options.dp} processes"
+            )
+        pipeline_ranks = self.world // options.dp
+        self.mesh = build_mesh(pipeline_ranks, dp=options.dp, device_type=self.device.type)
+        self.schedule = resolve_schedule(options.schedule, pipeline_ranks, options.microbatches)
+        m = self.schedule.num_microbatches
+        self.batch = options.batch or spec.microbatch_size * m * options.dp
+        if self.batch % (m * options.dp):
+            raise ValueError(
+                f"batch {self.batch} does not split into {options.dp} replicas x {m} "
+                f"microbatches: use a multiple of {m * options.dp}"
             )
         self.sizes = balanced_sizes(spec, self.schedule)
         model = language_model(spec, seed=options.seed).to(self.device)
+        reducer = self.mesh.gradient_reducer() if options.dp > 1 else None
         self.runner = PipelineRunner.from_module(
             self.schedule, model, LanguageModelLoss(options.aux_weight), split=self.sizes,
-            record_timeline=True, step_timeout=options.step_timeout,
+            group=self.mesh.pp_group, record_timeline=True, step_timeout=options.step_timeout,
+            reducer=reducer,
         )  # fmt: skip
         # what this rank holds, under the unsplit model's names: what its checkpoints save
         stages = self.runner.modules
@@ -153,7 +164,7 @@ class Trainer:
         self.copies = mirror_copies(self.schedule)
         self.optimizer = build_optimizer(
             self.runner.modules, lr=options.lr, weight_decay=options.weight_decay,
-            betas=(0.9, 0.95),
+            betas=(0.9, 0.95), shard_over=self.mesh.dp_group if options.dp_mode == "zero1" else None,
         )  # fmt: skip
         self.scheduler = warmup_cosine(
             self.optimizer, options.warmup_steps, options.steps, options.min_lr_ratio
@@ -217,9 +228,10 @@ class Trainer:
         for _ in range(options.grad_accum):
             inputs, targets = next(self.loader)
             inputs, targets = inputs.to(self.device), targets.to(self.device)
+            inputs, targets = self.mesh.shard(inputs), self.mesh.shard(targets)
             with self._autocast(), self.meter:
                 loss = self.runner.step(inputs, targets)
-            losses.append(float(loss))
+            losses.append(float(self.mesh.average(loss)))
             timeline = self.runner.timeline()
             if timeline is not None:
                 bubbles.append(metrics(timeline).bubble_ratio)
