@@ -6,12 +6,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 from cutpipe import generate
 from cutpipe.models import LanguageModelLoss, language_model
 from cutpipe.models.tensor_parallel import parallelize_stage, tp_plan
 from cutpipe.runtime import PipelineRunner
-from cutpipe.runtime.split import WeightGradients
+from cutpipe.runtime.split import WeightGradients, WeightSplitter
 from cutpipe.spec import ModelSpec
 
 #: a tiny dense decoder: 4 heads, so 2 per TP rank
@@ -151,12 +152,14 @@ def tp_only(rank: int, world: int) -> dict:
     tokens, targets = batches(spec, 4, 1, seed=5)[0]
     hidden, aux = model.embed(tokens)
     boundary = model.layers[0](hidden, aux)
+    collectives = _layer_collectives(model.layers[0], hidden.detach(), aux)
+    model.zero_grad(set_to_none=True)
     LanguageModelLoss()(model(tokens), targets).backward()
     LanguageModelLoss()(twin(tokens), targets).backward()
     twins = dict(twin.named_parameters())
     named = dict(model.named_parameters())
     said = []
-    for wrong in ({"heads": 2, "kv_heads": 1}, {"heads": 1}, {"ffn": 66}):
+    for wrong in ({"heads": 2, "kv_heads": 1}, {"heads": 1}, {"ffn": 63}):
         try:
             parallelize_stage(language_model(ModelSpec(**{**SPEC, **wrong})), mesh)
         except ValueError as error:
@@ -169,7 +172,28 @@ def tp_only(rank: int, world: int) -> dict:
         "plans": plans,
         "sharded": sorted(k for k, p in named.items() if isinstance(p, DTensor)),
         "boundary_types": [type(t).__name__ for t in boundary],
-        "local_heads": [(layer.attention.heads, layer.attention.kv_heads) for layer in model.layers],
+        "local_heads": [
+            (layer.attention.heads, layer.attention.kv_heads) for layer in model.layers
+        ],
         "grad_error": max(relative_error(full(p.grad), twins[k].grad) for k, p in named.items()),
         "said": said,
+        "collectives": collectives,
     }
+
+
+def _layer_collectives(layer: torch.nn.Module, hidden: torch.Tensor, aux: torch.Tensor) -> dict:
+    """The collectives of one layer's F, B and W, with its B/W split deferring."""
+    splitter, gradients = WeightSplitter(layer), WeightGradients()
+    counts = {}
+    with CommDebugMode() as forward, splitter.deferring(gradients):
+        out, _ = layer(hidden.requires_grad_(), aux)
+    gradients.defer = True
+    with CommDebugMode() as backward:
+        out.sum().backward()
+    deferred = len(gradients)
+    with CommDebugMode() as weight:
+        gradients.run()
+    splitter.close()
+    for name, mode in (("F", forward), ("B", backward), ("W", weight)):
+        counts[name] = {str(op): n for op, n in mode.get_comm_counts().items()}
+    return {**counts, "deferred": deferred}

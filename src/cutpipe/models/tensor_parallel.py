@@ -7,8 +7,9 @@ a ``DeviceMesh``, e.g. ``mesh["tp"]`` of a ``("pp", "tp")`` mesh) the Megatron w
   heads and ``kv_heads / tp`` key/value heads), ``o`` row-wise;
 - MLP: ``up`` and ``gate`` column-wise, ``down`` row-wise.
 
-Each layer then costs two all-reduces forward (after ``o`` and ``down``) and two backward (the
-input gradients of the column-wise projections). Everything else stays replicated, as plain
+Each layer then costs two all-reduces forward (the outputs of ``o`` and ``down``) and one
+backward per column-wise projection (its input gradient: ``q``, ``kv``, ``up``, ``gate``, each
+wrapped on its own as torch's styles do). Everything else stays replicated, as plain
 tensors, on every rank of the TP group: norms, the embedding, the head, and the residual stream.
 So a layer takes and returns plain ``torch.Tensor`` values, identical on every TP rank, and the
 tensors that cross pipeline stages are plain tensors of the full hidden size: the runner, its
@@ -24,8 +25,15 @@ and ``full_tensor()`` is the unsplit weight. The attention module keeps its ``fo
 ``heads`` and ``kv_heads`` become this rank's local counts (as torchtitan's ``n_local_heads``),
 and ``tp_size`` records the TP degree.
 
+The B/W split (``cutpipe.runtime.split``) needs no fallback: the runner's splitter routes the
+sharded ``nn.Linear`` layers as any others (torch's styles add hooks, not a new ``forward``), B
+computes the input gradients with the TP all-reduces, and W computes each weight gradient from
+its local shards (a DTensor with the weight's placement) with no communication.
+
 Mixture-of-experts layers are not TP-sharded: their attention is, but the router and the experts
 (and shared experts) stay replicated on every TP rank (use expert parallelism for those).
+DualPipe's two mirrored copies are not supported yet: the runner moves their weights and
+gradients as one flat buffer, which cannot mix DTensor and plain tensors.
 """
 
 from __future__ import annotations
@@ -82,9 +90,10 @@ class FusedColwiseParallel(ColwiseParallel):
 
 def _divides(tp_size: int, count: int, what: str) -> None:
     if count % tp_size:
+        divisors = ", ".join(str(d) for d in range(1, count + 1) if count % d == 0)
         raise ValueError(
-            f"{what} ({count}) must divide by the tensor-parallel size {tp_size}: choose a TP "
-            f"size that divides it (or a model whose {what} does)"
+            f"{what} ({count}) must divide by the tensor-parallel size {tp_size}: use a TP size "
+            f"in {divisors}, or change the model"
         )
 
 

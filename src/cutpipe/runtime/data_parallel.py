@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cutpipe.runtime.flat import unflatten
+from cutpipe.runtime.flat import flatten_gradients, write_gradients
 
 
 class GradientReducer(Protocol):
@@ -76,8 +76,7 @@ class AllReduce:
             buckets.setdefault(key, []).append(parameter)
             chosen[key] = groups
         for key, bucket in buckets.items():
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = flatten_gradients(bucket)
             # a parameter with no group (an expert without DP) is still scaled to the mean
             first, *later = chosen[key] or (None,)
             work = None if first is None else dist.all_reduce(flat, group=first, async_op=True)
@@ -93,10 +92,4 @@ class AllReduce:
                 dist.all_reduce(item.flat, group=group)
             if self.scale != 1.0:
                 item.flat.mul_(self.scale)
-            for parameter, value in zip(
-                item.parameters, unflatten(item.flat, item.parameters), strict=True
-            ):
-                if parameter.grad is None:
-                    parameter.grad = value.clone()
-                else:
-                    parameter.grad.copy_(value)
+            write_gradients(item.parameters, item.flat)

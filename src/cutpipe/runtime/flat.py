@@ -13,24 +13,44 @@ import torch
 from torch import nn
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a DTensor's local shard (tensor parallelism, FSDP), else
+    the tensor itself. Writing into it writes into the DTensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 @torch.no_grad()
 def reduce_gradients(
     parameters: Sequence[nn.Parameter], reduce: Callable[[torch.Tensor], None], scale: float = 1.0
 ) -> None:
     """``reduce`` the parameters' gradients in place (a missing gradient counts as zeros, since
-    the other ranks still send theirs), times ``scale``, into ``.grad``."""
+    the other ranks still send theirs), times ``scale``, into ``.grad``. A DTensor parameter
+    moves its local shard (its copies elsewhere hold the same layout)."""
     if not parameters:
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = flatten_gradients(parameters)
     reduce(flat)
     if scale != 1.0:
         flat *= scale
-    for parameter, value in zip(parameters, unflatten(flat, grads), strict=True):
+    write_gradients(parameters, flat)
+
+
+def flatten_gradients(parameters: Sequence[nn.Parameter]) -> torch.Tensor:
+    """The local parts of the parameters' gradients as one new flat tensor (zeros for none)."""
+    return torch.cat(
+        [local(p.grad).reshape(-1) if p.grad is not None else local(p).new_zeros(local(p).numel())
+         for p in parameters]
+    )  # fmt: skip
+
+
+def write_gradients(parameters: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
+    """Copy ``flat`` (from ``flatten_gradients``) back into the parameters' gradients."""
+    for parameter, value in zip(
+        parameters, unflatten(flat, [local(p) for p in parameters]), strict=True
+    ):
         if parameter.grad is None:
-            parameter.grad = value.clone()
-        else:
-            parameter.grad.copy_(value)
+            parameter.grad = torch.zeros_like(parameter)
+        local(parameter.grad).copy_(value)
 
 
 @torch.no_grad()
@@ -38,10 +58,11 @@ def share_values(parameters: Sequence[nn.Parameter], move: Callable[[torch.Tenso
     """``move`` the parameters' values as one buffer (e.g. a broadcast) and copy them back."""
     if not parameters:
         return
-    flat = torch.cat([p.detach().reshape(-1) for p in parameters])
+    shards = [local(p.detach()) for p in parameters]
+    flat = torch.cat([shard.reshape(-1) for shard in shards])
     move(flat)
-    for parameter, value in zip(parameters, unflatten(flat, parameters), strict=True):
-        parameter.copy_(value)
+    for shard, value in zip(shards, unflatten(flat, shards), strict=True):
+        shard.copy_(value)
 
 
 def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
