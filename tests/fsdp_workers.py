@@ -4,22 +4,41 @@ from __future__ import annotations
 
 import copy
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from cutpipe import generate
 from cutpipe.models import LanguageModelLoss, language_model, mlp
 from cutpipe.runtime import PipelineRunner, stage_sizes
-from cutpipe.runtime.flat import reduce_gradients, share_values
 from cutpipe.runtime.fsdp import FsdpReducer, shard_stages
 from cutpipe.runtime.modules import sequence_blocks, split_module
 from cutpipe.spec import ModelSpec
 
 WIDTH, PER_MICROBATCH, LR = 16, 3, 1e-3
+
+
+class Case(NamedTuple):
+    schedule: str
+    microbatches: int
+    model: str = "mlp"  # or "transformer"
+    reshard_after_forward: bool = False
+    in_runner: bool = True  # the runner drives the reducer (else the worker, after each step)
+    per_block: bool = True
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.schedule} m={self.microbatches} {self.model} "
+            f"reshard_after_forward={self.reshard_after_forward} in_runner={self.in_runner} "
+            f"per_block={self.per_block}"
+        )
+
+
 #: a tiny decoder: embedding, 6 layers (norms, attention, gated MLP), head: 8 blocks
 TRANSFORMER = ModelSpec(name="tiny", layers=6, hidden=16, heads=2, ffn=24, vocab=32, seq_len=8)
 
@@ -75,31 +94,15 @@ def held_bytes(modules: list[nn.Module], optimizer: torch.optim.Optimizer) -> in
     return sum(storages.values())
 
 
-def flat_takes_dtensors(mesh) -> bool:
-    """Whether ``cutpipe.runtime.flat`` moves a ``DTensor``'s local shard, as DualPipe's mirror
-    copy and sum of FSDP-sharded stages in the runner need (after ``finish`` the gradients are
-    shards)."""
-    probe = nn.Parameter(DTensor.from_local(torch.zeros(2), mesh["dp"], [Shard(0)]))
-    seen: list[bool] = []
-    try:
-        reduce_gradients([probe], lambda flat: seen.append(isinstance(flat, DTensor)))
-        share_values([probe], lambda flat: seen.append(isinstance(flat, DTensor)))
-    except Exception:  # any failure means no
-        return False
-    return not any(seen)
-
-
 def _runner(
     schedule, stages, loss_fn: nn.Module, reducer: FsdpReducer, group, in_runner: bool
 ) -> PipelineRunner:
     """``in_runner``: the runner reports each stage done the moment its last backward has run
     and finishes before DualPipe's mirror sum (then of the sharded gradients). Otherwise the
     worker reduces after ``step`` (same math, no overlap; DualPipe's copies are then summed
-    whole, before the reduce-scatter). Its copies start equal either way (one seed): the
-    runner's broadcast of them runs only where it reduces (on shards)."""
-    if in_runner:
-        return PipelineRunner(schedule, stages, loss_fn, group=group, reducer=reducer)
-    return PipelineRunner(schedule, stages, loss_fn, group=group, sync_copies=False)
+    whole, before the reduce-scatter)."""
+    options = {"reducer": reducer} if in_runner else {}
+    return PipelineRunner(schedule, stages, loss_fn, group=group, **options)
 
 
 def _step(
@@ -111,6 +114,8 @@ def _step(
     y: torch.Tensor,
 ) -> tuple[torch.Tensor, int]:
     """One training step; the bytes held before the reduction (0 if the runner reduces)."""
+    if in_runner:
+        reducer.prefetch()  # the all-gathers start before the first op
     loss = runner.step(x, y)
     during = 0
     if not in_runner:
@@ -121,12 +126,9 @@ def _step(
     return loss, during
 
 
-def case_name(name: str, m: int, reshard: bool, in_runner: bool, kind: str) -> str:
-    return f"{name} m={m} {kind} reshard_after_forward={reshard} in_runner={in_runner}"
-
-
-def _case(mesh, name: str, m: int, reshard: bool, in_runner: bool, kind: str, steps: int) -> dict:
+def _case(mesh, case: Case, steps: int) -> dict:
     """Train ``steps`` AdamW steps of PP x DP FSDP and of one process on the whole batch."""
+    name, m, kind, reshard, in_runner, per_block = case
     pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     pp_rank, dp_rank, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), mesh["dp"].size()
     schedule = generate(name, mesh["pp"].size(), m)
@@ -139,7 +141,12 @@ def _case(mesh, name: str, m: int, reshard: bool, in_runner: bool, kind: str, st
         blocks=blocks,
         held=schedule.placement.stages_of(pp_rank),
     )
-    sharded = shard_stages(stages, mesh["dp"], reshard_after_forward=reshard)
+    sharded = shard_stages(stages, mesh["dp"], reshard_after_forward=reshard, per_block=per_block)
+    if schedule.placement.num_pipes > 1 and pp_rank > 0:
+        with torch.no_grad():  # the runner must start DualPipe's copies equal, shard by shard
+            for module in sharded.values():
+                for parameter in module.parameters():
+                    parameter.add_(1.0)
     reducer = FsdpReducer(sharded)
     runner = _runner(schedule, sharded, loss_fn, reducer, pp_group, in_runner)
     optimizer = torch.optim.AdamW(runner.parameters(), lr=LR)
@@ -172,17 +179,20 @@ def _case(mesh, name: str, m: int, reshard: bool, in_runner: bool, kind: str, st
             param_error = max(param_error, _relative_error(_full(parameter.detach()), twins[key]))
         between = held_bytes(list(runner.modules.values()), optimizer)
     seconds = time.perf_counter() - started
+    with torch.no_grad():  # leaves them all-gathered (with reshard_after_forward=False)
+        runner.step(x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank])
+    reducer.reshard()
     moved = max(_relative_error(twins[key].detach(), value) for key, value in initial.items())
     sharded_after = all(isinstance(p, DTensor) for p in runner.parameters())
     full = sum(p.numel() * p.element_size() for p in runner.named_parameters().values())
     runner.close()
     return {
-        "case": case_name(name, m, reshard, in_runner, kind),
+        "case": case.name,
         "grad_error": grad_error,
         "param_error": param_error,
         "loss_error": loss_error,
         "moved": moved,  # how far the reference's parameters moved in the steps
-        "sharded": sharded_params and sharded_after,
+        "sharded": sharded_params and sharded_after,  # before, and after an evaluation step
         "full_bytes": full,  # this rank's parameters, whole
         "during_bytes": during,  # before the reduction: unsharded parameters and gradients too
         "between_bytes": between,  # after the optimizer step: shards only
@@ -190,19 +200,8 @@ def _case(mesh, name: str, m: int, reshard: bool, in_runner: bool, kind: str, st
     }
 
 
-def training(
-    rank: int, world: int, cases: list[tuple[str, int, bool, bool, str]], steps: int = 3
-) -> list[dict]:
-    """Each case (schedule, microbatches, reshard_after_forward, the runner reduces, model):
-    PP x DP FSDP training on a ``(pp, dp)`` mesh with DP 2, against one process on the whole
-    batch."""
+def training(rank: int, world: int, cases: list[Case], steps: int = 3) -> list[dict]:
+    """Each case: PP x DP FSDP training on a ``(pp, dp)`` mesh with DP 2, against one process on
+    the whole batch."""
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("pp", "dp"))
-    shards_move = flat_takes_dtensors(mesh)
-    results = []
-    for name, m, reshard, in_runner, kind in cases:
-        if in_runner and generate(name, world // 2, m).placement.num_pipes > 1 and not shards_move:
-            case = case_name(name, m, reshard, in_runner, kind)
-            results.append({"case": case, "skipped": "cutpipe.runtime.flat takes no DTensors"})
-            continue
-        results.append(_case(mesh, name, m, reshard, in_runner, kind, steps))
-    return results
+    return [_case(mesh, case, steps) for case in cases]

@@ -36,6 +36,13 @@ exact (the sum is linear) when both copies shard alike, which they do in a ``(pp
 mirrors differ in ``pp`` only, so they hold the same DP coordinate and the same shard of
 every parameter. ``cutpipe.runtime.flat`` must then work on the DTensors' local tensors.
 
+``per_block=False`` shards each stage as one group: one all-gather and one reduce-scatter per
+stage and step instead of one per block (fewer, larger collectives: better where latency
+dominates, as on gloo), at the price of all-gathering the whole stage at once. ``prefetch()``
+before ``runner.step`` starts every all-gather of the step without waiting (torch's UNSHARD
+action), so that they hide behind the warm-up on a GPU; on gloo the background thread costs
+more than it hides.
+
 ``reshard_after_forward=True`` frees each block's unsharded parameters after every forward
 and all-gathers them again for its backward (FSDP's pre-backward hook; two all-gathers per
 microbatch and stage instead of one per step), saving the unsharded parameters between a
@@ -73,10 +80,12 @@ def shard_stages(
     stages: Mapping[int, nn.Module],
     dp_mesh: Any,
     reshard_after_forward: bool = False,
+    per_block: bool = True,
     **fully_shard_options: Any,
 ) -> dict[int, nn.Module]:
     """Apply FSDP2 over ``dp_mesh`` (a 1-D ``DeviceMesh``, e.g. ``mesh["dp"]``) to each stage:
-    to every block that has parameters, then to the stage module; in place, so the stages are
+    to every block that has parameters (unless ``per_block=False``; blocks that share a
+    parameter need it), then to the stage module; in place, so the stages are
     returned for ``PipelineRunner(schedule, shard_stages(stages, mesh["dp"]), ...,
     reducer=FsdpReducer(...))``. Shard before building the runner and the optimizer: the
     optimizer must hold the sharded parameters. ``fully_shard_options`` go to every
@@ -91,7 +100,7 @@ def shard_stages(
             raise TypeError(f"stage {stage} must be a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, FSDPModule):
             raise ValueError(f"stage {stage} is already sharded (fully_shard was applied)")
-        for block in _blocks(module):
+        for block in _blocks(module) if per_block else ():
             if _has_parameters(block) and not isinstance(block, FSDPModule):
                 fully_shard(
                     block,
@@ -132,10 +141,6 @@ class FsdpReducer:
         for module in self._stages.values():
             _accumulate_locally(module)
 
-    @property
-    def stages(self) -> dict[int, nn.Module]:
-        return dict(self._stages)  # type: ignore[arg-type]
-
     def stage_done(self, stage: int, parameters: Sequence[Any] = ()) -> None:
         """Reduce-scatter ``stage``'s accumulated gradients into its sharded ``.grad`` and
         reshard its parameters. ``parameters`` is ignored: FSDP knows its own (the sharded
@@ -170,6 +175,23 @@ class FsdpReducer:
             module.set_is_last_backward(True)
             fully_shard.state(module)._root_post_backward_final_callback()  # type: ignore[attr-defined]
             _accumulate_locally(module)
+
+    def prefetch(self) -> None:
+        """Start all-gathering every stage's parameters now, without waiting: each block's
+        first forward of the step then waits only for its own (as torch's UNSHARD action).
+        Call it after the optimizer step, right before ``runner.step``: the all-gathers then
+        hide behind the pipeline's warm-up instead of delaying each stage's first forward."""
+        for module in self._stages.values():
+            for inner in _fsdp_modules(module):
+                inner.unshard(async_op=True)
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters now and register the shards again. A training step
+        does this itself; an evaluation step (``torch.no_grad()``) with
+        ``reshard_after_forward=False`` leaves the stages all-gathered until the next one."""
+        for module in self._stages.values():
+            for inner in _fsdp_modules(module):
+                inner.reshard()
 
 
 def _fsdp_modules(module: nn.Module) -> Iterable[FSDPModule]:
