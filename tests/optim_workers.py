@@ -221,6 +221,41 @@ def clipping(rank: int, world: int) -> dict:
                 outcome[key + " raised"] = False
             except RuntimeError:
                 outcome[key + " raised"] = True
+    outcome.update(_sharded_clipping(world))
+    return outcome
+
+
+def _sharded_clipping(world: int) -> dict:
+    """clip_grad_norm of DTensor gradients, as FSDP leaves them, with a pipeline of one rank: a
+    parameter sharded unevenly over the world (3 rows on 2 ranks), a replicated DTensor and a
+    plain one, each counted once."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from cutpipe.train.optim import clip_grad_norm
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    alone, _ = dist.new_subgroups(1)  # this rank is its whole pipeline
+
+    def parameters() -> list[nn.Parameter]:
+        made = []
+        for full, placement in (([3.0, 0.0, 4.0], Shard(0)), ([1.0, 1.0], Replicate())):
+            parameter = nn.Parameter(distribute_tensor(torch.zeros(len(full)), mesh, [placement]))
+            parameter.grad = distribute_tensor(torch.tensor(full), mesh, [placement])
+            made.append(parameter)
+        plain = nn.Parameter(torch.zeros(2))
+        plain.grad = torch.tensor([2.0, 2.0])
+        return [*made, plain]
+
+    held = parameters()
+    outcome = {"sharded": float(clip_grad_norm(held, 1.0, group=alone))}
+    outcome["sharded clipped"] = [
+        (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).tolist() for p in held
+    ]
+    outcome["sharded inf"] = float(
+        clip_grad_norm(parameters(), 1.0, group=alone, norm_type=float("inf"))
+    )
     return outcome
 
 

@@ -370,3 +370,18 @@ def test_clipping_over_ranks_counts_copies_once_and_agrees_on_non_finite_norms(t
                 value = outcome[key]
                 assert math.isnan(value) if poison == "nan" else value == math.inf, key
                 assert outcome[key + " raised"], key
+
+
+@pytest.mark.timeout(300)
+def test_clipping_counts_dtensor_shards_once(two_ranks):
+    """FSDP's gradients are DTensor shards over DP: their squares are summed over the shards,
+    replicated DTensors and plain tensors counted once, and the local shards scaled."""
+    norm = math.sqrt(3**2 + 4**2 + 2 * 1 + 2 * 4)
+    scale = 1.0 / (norm + 1e-6)
+    for rank, outcome in enumerate(ranks["clipping"] for ranks in two_ranks):
+        assert outcome["sharded"] == pytest.approx(norm, rel=1e-6)
+        assert outcome["sharded inf"] == pytest.approx(4.0)
+        shard = [3 * scale, 0.0] if rank == 0 else [4 * scale]  # 3 rows on 2 ranks: 2 and 1
+        assert outcome["sharded clipped"][0] == pytest.approx(shard, rel=1e-6)
+        assert outcome["sharded clipped"][1] == pytest.approx([scale, scale], rel=1e-6)
+        assert outcome["sharded clipped"][2] == pytest.approx([2 * scale, 2 * scale], rel=1e-6)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cutpipe.runtime.flat import local as local_tensor
 from cutpipe.schedule.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -229,6 +230,13 @@ def clip_grad_norm(
 
     ``max_norm=inf`` only measures. Pass the pipeline's own group (``runner.group``) when the
     pipeline is part of a larger mesh.
+
+    Gradients that are ``DTensor`` shards (FSDP's, over the data-parallel mesh; tensor
+    parallelism's) count their local shards, summed (or, for the max norm, maxed) over the mesh
+    dimensions they are sharded along before the pipeline's reduction, so the norm is that of
+    the whole gradients, exactly; replicated dimensions count once. Every rank of such a mesh
+    dimension must then call it too, with parameters of the same layouts in the same order (the
+    ranks of a data-parallel group hold the same stages). The local shards are scaled.
     """
     parameters = list(parameters)
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
@@ -238,15 +246,25 @@ def clip_grad_norm(
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type!r}")
-    grads = [p.grad for p in parameters if p.grad is not None]
-    local = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
-    if _group_size(group) > 1:
-        total = _reduce_norm(local, _device(parameters, group), norm_type, group, copies)
-    elif copies > 1:
+    pipeline = _group_size(group)
+    if pipeline == 1 and copies > 1:
         raise ValueError(
             f"copies={copies} but this process is the whole pipeline: pass the pipeline's process "
             "group, or copies=1"
         )
+    sharded = _sharded_gradients(parameters)
+    grads = [  # a replicated DTensor's local gradient is the whole one
+        local_tensor(p.grad)
+        for p in parameters
+        if p.grad is not None and id(p) not in sharded.members
+    ]
+    local = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
+    if sharded.buckets:
+        total = _sharded_norm(
+            local, sharded, parameters, norm_type, group, pipeline, copies, foreach
+        )
+    elif pipeline > 1:
+        total = _reduce_norm(local, _device(parameters, group), norm_type, group, copies)
     else:
         total = local
     if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -256,7 +274,9 @@ def clip_grad_norm(
             "names the microbatch), lower the learning rate, or pass error_if_nonfinite=False to "
             "scale by it anyway"
         )
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach)
+    # torch's scaling, of DTensors' local parts (of the plain gradients themselves otherwise)
+    local_grads = [_LocalGradient(local_tensor(p.grad)) for p in parameters if p.grad is not None]
+    torch.nn.utils.clip_grads_with_norm_(local_grads, max_norm, total, foreach)  # type: ignore[arg-type]
     return total
 
 
@@ -287,6 +307,103 @@ def _device(parameters: Sequence[torch.Tensor], group: dist.ProcessGroup | None)
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return parameters[0].device if parameters else torch.device("cpu")
+
+
+class _LocalGradient:
+    """Stands for a parameter, holding its gradient's local part, for torch's scaling."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.grad = grad
+
+
+@dataclass
+class _Sharded:
+    """Parameters whose gradients are sharded DTensors, by the groups that shard them."""
+
+    members: set[int]  # their ids
+    buckets: list[tuple[list[dist.ProcessGroup], list[torch.Tensor]]]  # groups, local shards
+
+
+def _sharded_gradients(parameters: Sequence[torch.Tensor]) -> _Sharded:
+    """The DTensor parameters sharded along some mesh dimension of more than one rank, grouped
+    by those dimensions' process groups (in order of first appearance, the same on every rank
+    holding the same parameters), with their gradients' local shards (None: no gradient)."""
+    from torch.distributed.tensor import DTensor
+
+    members: set[int] = set()
+    by_layout: dict[tuple[int, ...], tuple[list[dist.ProcessGroup], list[torch.Tensor]]] = {}
+    for parameter in parameters:
+        if not isinstance(parameter, DTensor):
+            continue
+        mesh, groups = parameter.device_mesh, []
+        for dim, placement in enumerate(parameter.placements):
+            if placement.is_partial():
+                raise ValueError(
+                    "a parameter is a DTensor with a Partial placement: clip after the "
+                    "gradients are reduced"
+                )
+            if placement.is_shard() and mesh.size(dim) > 1:
+                groups.append(mesh.get_group(dim))
+        if not groups:
+            continue  # replicated: its local gradient is the whole one, counted as a plain one
+        members.add(id(parameter))
+        key = tuple(id(g) for g in groups)
+        bucket = by_layout.setdefault(key, (groups, []))
+        if parameter.grad is not None:
+            bucket[1].append(local_tensor(parameter.grad))
+    return _Sharded(members, list(by_layout.values()))
+
+
+@torch.no_grad()
+def _sharded_norm(
+    local: torch.Tensor,
+    sharded: _Sharded,
+    parameters: Sequence[torch.Tensor],
+    norm_type: float,
+    group: dist.ProcessGroup | None,
+    pipeline: int,
+    copies: int,
+    foreach: bool | None,
+) -> torch.Tensor:
+    """The norm over the pipeline of plain gradients (``local``: this rank's norm of them) and
+    sharded ones: each bucket's shards combined over its sharding groups, then everything over
+    the pipeline, in float64 as ``_reduce_norm``."""
+    dtype = local.dtype if local.dtype.is_floating_point else torch.float32
+    device = _device(parameters, group)  # sharded gradients mean torch.distributed is up
+    inf = math.isinf(norm_type)
+
+    def power(norm: torch.Tensor) -> torch.Tensor:
+        own = norm.to(device, torch.float64)
+        return own if inf else own.pow(norm_type)
+
+    total = power(local)
+    for groups, shards in sharded.buckets:
+        norm = torch.nn.utils.get_total_norm(shards, norm_type, False, foreach)
+        part = power(norm if shards else torch.zeros((), device=device))
+        for shard_group in groups:
+            part = _combine(part, norm_type, shard_group)
+        total = torch.maximum(total, part) if inf else total + part
+    if pipeline > 1:
+        total = _combine(total, norm_type, group)
+    if not inf:
+        total = (total / copies).pow(1.0 / norm_type)
+    return total.to(dtype)
+
+
+def _combine(
+    value: torch.Tensor, norm_type: float, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """``value`` (a float64 ``|g|^p`` sum, or a max for the max norm) over ``group``."""
+    if math.isinf(norm_type):
+        # a max drops NaNs on some backends: carry "this rank saw a NaN" beside it
+        pair = torch.stack([torch.nan_to_num(value, nan=0.0), value.isnan().to(torch.float64)])
+        dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group)
+        return torch.where(pair[1] > 0, torch.full_like(pair[0], math.nan), pair[0])
+    value = value.clone()
+    dist.all_reduce(value, group=group)
+    return value
 
 
 @torch.no_grad()
