@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from cutpipe.files import flush_to_disk, write_text
 
@@ -579,11 +580,22 @@ def read_metadata(folder: Path) -> Metadata:
     return dcp.FileSystemReader(str(folder)).read_metadata()
 
 
-def _empty(entry: Any) -> Any:
-    """A placeholder that DCP fills in: a tensor of the saved shape and dtype, or a leaf."""
-    if isinstance(entry, TensorStorageMetadata):
-        return torch.empty(entry.size, dtype=entry.properties.dtype)
-    return None
+def _empty(entry: Any, like: torch.Tensor | None = None) -> Any:
+    """A placeholder that DCP fills in: a tensor of the saved shape and dtype, or a leaf. Where
+    this rank holds the tensor as a ``DTensor`` of the saved shape (``like``: FSDP's shards), a
+    ``DTensor`` laid out alike, so that DCP reads only this rank's shard of it."""
+    if not isinstance(entry, TensorStorageMetadata):
+        return None
+    dtype = entry.properties.dtype
+    if isinstance(like, DTensor) and tuple(like.shape) == tuple(entry.size):
+        return torch.empty_like(like.detach(), dtype=dtype)
+    return torch.empty(entry.size, dtype=dtype)
+
+
+def _distributed(model: nn.Module) -> dict[str, DTensor]:
+    """The model's ``DTensor`` entries (state and parameters) by name."""
+    named = {**model.state_dict(keep_vars=True), **dict(model.named_parameters())}
+    return {name: value for name, value in named.items() if isinstance(value, DTensor)}
 
 
 def _under(keys: Iterable[str], prefix: str) -> list[str]:
@@ -755,7 +767,12 @@ def load(
     rng_prefix = f"rng.rank{ranks.rank}."
     if same_layout:
         wanted += _under(keys, rng_prefix)
-    loaded = {key: _empty(keys[key]) for key in wanted}
+    distributed = _distributed(model)
+    likes = {f"model.{name}": value for name, value in distributed.items()}
+    likes.update(
+        (key, distributed.get(name)) for key, (kind, name, _) in where.items() if kind == "state"
+    )
+    loaded = {key: _empty(keys[key], likes.get(key)) for key in wanted}
     with alone_quietly(ranks.group is None):
         dcp.load(
             loaded, checkpoint_id=folder, process_group=ranks.group, no_dist=ranks.group is None
