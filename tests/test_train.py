@@ -73,6 +73,32 @@ def test_data_parallel_replicas_follow_one_process(model_file):
 
 
 @pytest.mark.timeout(300)
+def test_fsdp_replicas_follow_one_process_and_resume_bitwise(model_file, tmp_path):
+    """PP2 x DP2 with FSDP2 (sharded parameters, gradients and AdamW state): the losses and
+    pre-clip gradient norms of one process (clipping bites at step 1, so the norm over the DP
+    shards must be whole), and a checkpoint of the shards resumed by the same layout continues
+    bitwise (tests/test_fsdp.py checks the gradients and parameters themselves)."""
+    same = dict(steps=3, batch=16)
+    reference = run(
+        workers.train_rank, 1, (options(model_file, "1f1b", microbatches=8, **same),), timeout=240
+    )[0]
+    fsdp = dict(dp=2, dp_mode="fsdp", microbatches=4, checkpoint_dir=str(tmp_path / "ckpt"))
+    settings = options(model_file, "dualpipev", checkpoint_every=2, **fsdp, **same)
+    whole = run(workers.train_rank, 4, (settings,), timeout=240)[0]
+    norms = [record["grad_norm"] for record in whole["records"]]
+    assert norms[0] > settings.clip
+    assert norms == pytest.approx([r["grad_norm"] for r in reference["records"]], rel=1e-5)
+    assert whole["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    # back to the checkpoint after step 2, as a run that stopped there would have left it
+    shutil.rmtree(tmp_path / "ckpt" / "step-000003")
+    (tmp_path / "ckpt" / "latest").write_text("step-000002")
+    settings = options(model_file, "dualpipev", resume=True, **fsdp, **same)
+    resumed = run(workers.train_rank, 4, (settings,), timeout=240)[0]
+    assert resumed["resumed_from"] == 2
+    assert resumed["losses"] == whole["losses"][2:]
+
+
+@pytest.mark.timeout(300)
 def test_full_recompute_halves_the_activation_peak_at_equal_losses(model_file):
     peaks, losses = {}, {}
     for mode in ("none", "full"):

@@ -185,6 +185,15 @@ class FsdpReducer:
             for inner in _fsdp_modules(module):
                 inner.unshard(async_op=True)
 
+    def unshard(self) -> None:
+        """All-gather every stage's parameters now and wait: until the stages' reductions
+        the modules hold the unsharded parameters (for a caller that must know them before
+        the step, such as an activation meter leaving them out). The step's forwards then
+        find them gathered; ``prefetch`` is the same without waiting."""
+        for module in self._stages.values():
+            for inner in _fsdp_modules(module):
+                inner.unshard()
+
     def reshard(self) -> None:
         """Free the unsharded parameters now and register the shards again. A training step
         does this itself; an evaluation step (``torch.no_grad()``) with

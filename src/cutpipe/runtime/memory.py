@@ -25,6 +25,7 @@ class ActivationMeter:
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._also_excluded: set[int] = set()
         self._live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
@@ -34,13 +35,21 @@ class ActivationMeter:
         """Start a new peak from what is alive now."""
         self.peak = self.current
 
+    def also_exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Leave the storages of ``tensors`` out too, in place of the last call's: parameters
+        that live in new storage every step, such as FSDP's all-gathered (unsharded) ones."""
+        self._also_excluded = {t.untyped_storage().data_ptr() for t in tensors}
+
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse, meta, ...: nothing to count
             return tensor
         key, size = storage.data_ptr(), storage.nbytes()
-        if key and size and key not in self._excluded and key not in self._live:
+        if (
+            key and size and key not in self._live
+            and key not in self._excluded and key not in self._also_excluded
+        ):  # fmt: skip
             self._live[key] = size
             self.current += size
             self.peak = max(self.peak, self.current)

@@ -98,12 +98,6 @@ class TrainOptions:
             problems.append(f"dp must be a whole number >= 1, got {self.dp!r}")
         if self.dp_mode not in DP_MODES:
             problems.append(f"dp_mode must be one of {', '.join(DP_MODES)}, got {self.dp_mode!r}")
-        if self.dp_mode == "fsdp":
-            problems.append(
-                "dp_mode fsdp is not wired into cutpipe train yet (clipping and checkpoints of "
-                "sharded weights): use --dp-mode allreduce or zero1, or cutpipe.runtime.fsdp from "
-                "Python (docs/runtime.md, Data parallelism)"
-            )
         if self.dp_mode == "zero1" and self.checkpoint_dir:
             problems.append(
                 "zero1 shards the optimizer state in a form DCP does not save yet: use "

@@ -118,8 +118,9 @@ class Trainer:
         from cutpipe.models.config import load_model_config
         from cutpipe.models.transformer import LanguageModelLoss, Layer, language_model
         from cutpipe.runtime import PipelineRunner
+        from cutpipe.runtime.flat import local
         from cutpipe.runtime.mesh import build_mesh
-        from cutpipe.runtime.modules import Stage
+        from cutpipe.runtime.modules import Stage, split_module
         from cutpipe.runtime.recompute import apply_recompute
         from cutpipe.runtime.saved import SavedMeter
         from cutpipe.train.optim import build_optimizer, mirror_copies, warmup_cosine
@@ -147,20 +148,34 @@ class Trainer:
             )
         self.sizes = balanced_sizes(spec, self.schedule)
         model = language_model(spec, seed=options.seed).to(self.device)
-        reducer = self.mesh.gradient_reducer() if options.dp > 1 else None
-        self.runner = PipelineRunner.from_module(
-            self.schedule, model, LanguageModelLoss(options.aux_weight), split=self.sizes,
+        # this rank's stages, under the unsplit model's names (as PipelineRunner.from_module cuts)
+        stages = split_module(
+            model, self.sizes, num_stages=self.schedule.num_stages,
+            held=self.schedule.placement.stages_of(self.mesh.pp_rank),
+        )  # fmt: skip
+        self.fsdp = None
+        reducer = None
+        if options.dp > 1 and options.dp_mode == "fsdp":
+            from cutpipe.runtime.fsdp import FsdpReducer, shard_stages
+
+            # before the runner and the optimizer: both must hold the sharded parameters
+            shard_stages(stages, self.mesh.mesh["dp"])
+            reducer = self.fsdp = FsdpReducer(stages)
+        elif options.dp > 1:
+            reducer = self.mesh.gradient_reducer()
+        self.runner = PipelineRunner(
+            self.schedule, stages, LanguageModelLoss(options.aux_weight),
             group=self.mesh.pp_group, record_timeline=True, step_timeout=options.step_timeout,
             reducer=reducer,
         )  # fmt: skip
-        # what this rank holds, under the unsplit model's names: what its checkpoints save
-        stages = self.runner.modules
+        # what this rank holds, under the unsplit model's names: what its checkpoints save (with
+        # fsdp the blocks hold DTensor shards, which DCP saves and loads as they are)
         self.held = Stage(model, [b for s in sorted(stages) for b in stages[s].block_names])
         del model  # this rank keeps only its stages
         self.recomputes = [
             apply_recompute(module, options.recompute, units=Layer) for module in stages.values()
         ]
-        self.meter = SavedMeter(exclude=self.runner.parameters())
+        self.meter = SavedMeter(exclude=[local(p) for p in self.runner.parameters()])
         self.copies = mirror_copies(self.schedule)
         self.optimizer = build_optimizer(
             self.runner.modules, lr=options.lr, weight_decay=options.weight_decay,
@@ -229,6 +244,11 @@ class Trainer:
             inputs, targets = next(self.loader)
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             inputs, targets = self.mesh.shard(inputs), self.mesh.shard(targets)
+            if self.fsdp is not None:
+                # all-gathered now rather than by the first forwards, so that the meter knows
+                # the unsharded parameters (new storage every step) are no activations
+                self.fsdp.unshard()
+                self.meter.also_exclude(self.runner.parameters())
             with self._autocast(), self.meter:
                 loss = self.runner.step(inputs, targets)
             losses.append(float(self.mesh.average(loss)))
