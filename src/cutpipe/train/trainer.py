@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import time
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -160,6 +161,13 @@ class Trainer:
 
             # before the runner and the optimizer: both must hold the sharded parameters
             shard_stages(stages, self.mesh.mesh["dp"])
+            # FSDP2 warns that blocks return views (the layers' and the head's reshapes), where
+            # an in-place op would drop its pre-backward hook, which all-gathers resharded
+            # weights for the backward: here they stay whole through the step, and FsdpReducer
+            # runs the post-backward itself (the gradients are exact: tests/test_fsdp.py)
+            warnings.filterwarnings(
+                "ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor"
+            )
             reducer = self.fsdp = FsdpReducer(stages)
         elif options.dp > 1:
             reducer = self.mesh.gradient_reducer()
