@@ -131,7 +131,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         help="data-parallel replicas: the processes form pipelines of (nproc x nnodes) / dp ranks")  # fmt: skip
     add("--dp-mode", choices=DP_MODES, default="allreduce",
         help="allreduce: every replica keeps all optimizer state; zero1: optimizer state sharded "
-        "over the replicas; fsdp: parameters sharded too (FSDP2)")  # fmt: skip
+        "over the replicas; fsdp: parameters, gradients and optimizer state sharded (FSDP2)")  # fmt: skip
     add("--nnodes", type=whole(1, 10**4), default=1, help="machines (agents) in the run")
     add("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous shared by every node")
     add("--rdzv-id", metavar="ID", help="run id shared by every node")
