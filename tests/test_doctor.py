@@ -339,3 +339,27 @@ def test_startup_warnings_open_no_cuda_context_and_say_what_to_set(monkeypatch):
 def test_startup_warnings_are_empty_without_a_gpu(monkeypatch):
     monkeypatch.setattr(doctor, "gather", lambda *a, **k: Machine(no_gpu="a CPU build"))
     assert startup_warnings() == []
+
+
+def test_train_workers_print_the_doctors_warnings_once_per_node(monkeypatch, capsys):
+    """On a GPU node, local rank 0 of a `cutpipe train` run says what the doctor advises before
+    training; the other local ranks say nothing."""
+    from pathlib import Path
+
+    import cutpipe.cli.train as train_cli
+    import cutpipe.train.launch as launch
+    import cutpipe.train.trainer as trainer
+
+    monkeypatch.setattr(doctor, "gather", lambda *a, **k: gpu_node())
+    monkeypatch.setattr(trainer, "train", lambda options: {})
+    monkeypatch.setattr(train_cli, "report", lambda result: None)
+    monkeypatch.setattr(launch, "is_worker", lambda: True)
+    model = Path(__file__).resolve().parents[1] / "examples/models/tiny-dense.yaml"
+    args = ["train", "--model", str(model), "-s", "zbv"]
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    code, _, err = run(capsys, *args)
+    assert code == 0 and "cutpipe doctor: advice: NCCL channels" in err
+    assert len(err.strip().splitlines()) == 3  # allocator, channels, socket threads
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    code, _, err = run(capsys, *args)
+    assert code == 0 and err == ""

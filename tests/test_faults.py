@@ -133,7 +133,9 @@ def test_a_rank_that_fails_outside_its_ops_is_named_with_where_it_was(how):
         assert victim.exitcode in (1, -6) and not victim.ok
         assert victim.reason == "ValueError: the data loader broke"
     else:
-        assert "rank 1 died (last seen in step 2" in text, text
+        # it dies inside step 2's forward; whether its heartbeat thread had written "step 2"
+        # before os._exit is a race on a loaded machine, so either step is its last sighting
+        assert re.search(r"rank 1 died \(last seen in step [12]\b", text), text
         assert "set-up" not in text
         assert victim.exitcode == 3 and victim.reason == "its process exited with code 3"
 

@@ -306,7 +306,12 @@ def run_model(args: argparse.Namespace) -> int:
     if is_worker():
         from torch.distributed.elastic.multiprocessing.errors import record
 
+        from cutpipe.runtime.doctor import startup_warnings
         from cutpipe.train.trainer import train
+
+        if os.environ.get("LOCAL_RANK") == "0":  # once per node, however it was launched
+            for line in startup_warnings():  # torchrun's variables give the node count
+                print(line, file=sys.stderr, flush=True)
 
         report(record(train)(options))  # record: the agent reports this worker's error
         return 0
