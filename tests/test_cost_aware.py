@@ -100,3 +100,18 @@ def test_a_cap_below_one_activation_per_stage_is_refused():
         cost_aware("v", 4, 8, Costs(), memory_cap=1.5)
     with pytest.raises(ValueError, match="'linear' or 'v'"):
         cost_aware("bidirectional", 4, 8, Costs())
+
+
+def test_per_stage_costs_as_the_planner_gives_them_are_searched_under_their_cap():
+    """Per-stage lists (the planner's and a profile's form) used to fail on the smallest-peak
+    check, which asked the costs for a one-rank placement's stage count."""
+    from cutpipe.plan.scheduler import smallest_cap
+    from cutpipe.schedule import Placement
+
+    costs = Costs(f=[1] * 8, b=[1] * 8, w=[0.5] * 8, activation=[1, 1, 1, 1, 2, 2, 2, 2])
+    assert smallest_cap(Placement.vshape(4), costs) == 3  # every rank: a 1 and a 2
+    tuned = cost_aware("v", 4, 8, costs, memory_cap=8, search_seconds=0.1)
+    validate(tuned)
+    assert max(metrics(simulate(tuned, costs), costs).peak_activations_per_rank) <= 8
+    with pytest.raises(ValueError, match=r"\(3 here, 0.5 more\)"):
+        cost_aware("v", 4, 8, costs, memory_cap=2.5)

@@ -316,6 +316,15 @@ def default_cap(placement: str, ranks: int, costs: Costs) -> float:
     return ranks * chunks * max(costs.per_stage("activation", chunks * ranks))
 
 
+def smallest_cap(placement: Placement, costs: Costs) -> float:
+    """The least activation peak any schedule can have: the rank whose stages' activations,
+    one microbatch each, add up to the most (per-stage activations as the planner gives them)."""
+    activation = costs.per_stage("activation", placement.num_stages)
+    return max(
+        sum(activation[s] for s in placement.stages_of(rank)) for rank in range(placement.num_ranks)
+    )
+
+
 def check_search(
     placement: str, ranks: int, microbatches: int, costs: Costs, memory_cap: float | None,
     search_seconds: float,
@@ -363,7 +372,7 @@ def cost_aware(
     check_search(placement, ranks, microbatches, costs, memory_cap, search_seconds)
     kind = _placement(placement, ranks)
     cap = memory_cap if memory_cap is not None else default_cap(placement, ranks, costs)
-    smallest = default_cap(placement, 1, costs)
+    smallest = smallest_cap(kind, costs)
     if cap < smallest:
         raise ValueError(
             f"memory cap {cap:g} is below the smallest possible peak: a rank must hold one "
