@@ -341,6 +341,7 @@ def test_startup_warnings_are_empty_without_a_gpu(monkeypatch):
     assert startup_warnings() == []
 
 
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # torchelastic's, under capsys
 def test_train_workers_print_the_doctors_warnings_once_per_node(monkeypatch, capsys):
     """On a GPU node, local rank 0 of a `cutpipe train` run says what the doctor advises before
     training; the other local ranks say nothing."""
