@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -38,3 +40,32 @@ def named_shapes(draw, max_ranks: int = 10, extra_microbatches: int = 24):
 
 #: Costs that add up exactly in binary floating point, so closed forms can be checked with ==.
 dyadic = st.integers(1, 16).map(lambda k: k / 4)
+
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+def headless_chromium(profile_dir, width: int, height: int) -> Iterator:
+    """A headless Chromium driven by selenium at this window size (skips the test where
+    Debian's chromium and chromium-driver are missing; .ci/run installs them)."""
+    import pytest
+
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.skip(
+            "Debian's chromium and chromium-driver are not installed (.ci/run installs them)"
+        )
+    from selenium import webdriver
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", f"--window-size={width},{height}",
+                 f"--user-data-dir={profile_dir}"):  # fmt: skip
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(
+        options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER)
+    )
+    yield driver
+    driver.quit()

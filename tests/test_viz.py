@@ -2,10 +2,10 @@
 the HTML page in a real headless Chromium: its script runs cleanly and its tooltips are right."""
 
 import json
-import shutil
 import time
 
 import pytest
+from conftest import headless_chromium
 from matplotlib.collections import PolyCollection
 
 from cutpipe import Costs, generate, simulate
@@ -132,30 +132,10 @@ def test_a_trace_from_another_tool_is_rejected(capsys, tmp_path):
 
 # -- the HTML page in a real browser ------------------------------------------------------------
 
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    if not (CHROMIUM and CHROMEDRIVER):
-        pytest.skip(
-            "Debian's chromium and chromium-driver are not installed (.ci/run installs them)"
-        )
-    from selenium import webdriver
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--window-size=1400,900",
-                 f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):  # fmt: skip
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(
-        options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER)
-    )
-    yield driver
-    driver.quit()
+    yield from headless_chromium(tmp_path_factory.mktemp("chromium"), 1400, 900)
 
 
 def open_page(browser, path):

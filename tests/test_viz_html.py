@@ -5,11 +5,11 @@ the legend as drawn."""
 import json
 import math
 import re
-import shutil
 import time
 from itertools import pairwise
 
 import pytest
+from conftest import headless_chromium
 
 from cutpipe import Costs, generate, simulate
 from cutpipe.viz import html, scene
@@ -104,28 +104,10 @@ def test_page_title_uses_display_names():
 
 # -- the page in headless Chromium ---------------------------------------------------------------
 
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-
 
 @pytest.fixture(scope="module")
 def chromium(tmp_path_factory):
-    if not (CHROMIUM and CHROMEDRIVER):
-        pytest.skip("Debian's chromium and chromium-driver are not installed")
-    from selenium import webdriver
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--no-first-run", "--disable-background-networking", "--disable-sync",
-                 "--window-size=1000,800",
-                 f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):  # fmt: skip
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(
-        options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER)
-    )
-    yield driver
-    driver.quit()
+    yield from headless_chromium(tmp_path_factory.mktemp("chromium"), 1000, 800)
 
 
 def opened(driver, drawn, path):
