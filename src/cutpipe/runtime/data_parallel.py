@@ -68,17 +68,14 @@ class AllReduce:
 
     @torch.no_grad()
     def stage_done(self, stage: int, parameters: Sequence[nn.Parameter]) -> None:
-        buckets: dict[tuple[int, ...], list[nn.Parameter]] = {}
-        chosen: dict[tuple[int, ...], Sequence[dist.ProcessGroup]] = {}
+        buckets: dict[tuple[int, ...], tuple[Sequence[dist.ProcessGroup], list[nn.Parameter]]] = {}
         for parameter in parameters:
             groups = self.groups if self.groups_of is None else self.groups_of(parameter)
-            key = tuple(id(g) for g in groups)
-            buckets.setdefault(key, []).append(parameter)
-            chosen[key] = groups
-        for key, bucket in buckets.items():
+            buckets.setdefault(tuple(map(id, groups)), (groups, []))[1].append(parameter)
+        for groups, bucket in buckets.values():
             flat = flatten_gradients(bucket)
             # a parameter with no group (an expert without DP) is still scaled to the mean
-            first, *later = chosen[key] or (None,)
+            first, *later = groups or (None,)
             work = None if first is None else dist.all_reduce(flat, group=first, async_op=True)
             self._in_flight.append(_InFlight(bucket, flat, work, later))
 

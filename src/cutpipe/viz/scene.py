@@ -239,8 +239,12 @@ def panel(timeline: Timeline, costs: Costs | None = None, ghost: Timeline | None
     )
 
 
-def _row_signature(panel: Panel, rank: int) -> tuple:
-    return tuple((b.start, b.end, b.kind, b.label) for b in panel.boxes if b.rank == rank)
+def _row_signatures(panel: Panel) -> list[tuple]:
+    """Per rank, its boxes' (start, end, kind, label) in order, in one pass over the boxes."""
+    rows: list[list[tuple]] = [[] for _ in range(panel.ranks)]
+    for box in panel.boxes:
+        rows[box.rank].append((box.start, box.end, box.kind, box.label))
+    return [tuple(row) for row in rows]
 
 
 def _mark_shared_rows(panels: list[Panel]) -> list[Panel]:
@@ -250,8 +254,7 @@ def _mark_shared_rows(panels: list[Panel]) -> list[Panel]:
     marked = []
     for index, each in enumerate(panels):
         same_as: list[tuple[int, int] | None] = []
-        for rank in range(each.ranks):
-            signature = _row_signature(each, rank)
+        for rank, signature in enumerate(_row_signatures(each)):
             earlier = first_seen.get(signature) if signature else None
             same_as.append(earlier if earlier is not None and earlier[0] != index else None)
             first_seen.setdefault(signature, (index, rank))
