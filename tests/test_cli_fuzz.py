@@ -46,7 +46,7 @@ ONE_SCHEDULE = SCHEDULE_NAMES[:12]
 COSTS = ["F=1,B=1,W=1", "F=2,B=2,W=1,FB=2.5,comm=0.1", "F=0,B=0,W=0", "", "params=1", "F=inf",
          "F=nan", "F=1,f=2", "X=1", "F", "F=", "fb=none", "f=none", "w_memory=2", "F=-1",
          "F=1e308,B=1e308", "comm=1e15", "ep_f=1,ep_b=1", "activation=0"]  # fmt: skip
-GPUS = ["A100", "H100", "h200", "B200", ""]
+GPUS = ["A100", "H100", "h200", "B200", "V100", ""]
 
 
 def workspace_paths(root: Path) -> dict[str, str]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cutpipe.models import language_model
-from cutpipe.models.config import is_hf_config, load_model_config, spec_from_hf_config
+from cutpipe.model_config import is_hf_config, load_model_config, spec_from_hf_config
 from cutpipe.spec import ModelSpec
 
 EXAMPLES = Path(__file__).parents[1] / "examples" / "models"

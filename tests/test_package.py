@@ -38,6 +38,7 @@ LAYERS = {
     "records": layer(NEVER),
     "files": layer(NEVER),
     "spec": layer(NEVER),
+    "model_config": layer(NEVER, "spec"),
     "schedule": layer(NEVER, "records files"),
     "sim": layer(NEVER, "schedule records files"),
     "formulas": layer(NEVER, "sim"),
@@ -45,13 +46,16 @@ LAYERS = {
     "interop": layer(LAZY, "schedule"),
     "plan": layer(NEVER, "schedule sim spec records files"),
     "runtime": layer(ANYWHERE, "schedule sim records files"),
-    "models": layer(ANYWHERE, "runtime spec"),
+    "models": layer(ANYWHERE, "runtime spec model_config"),
     "measure": layer(ANYWHERE, "plan models runtime spec"),
     "data": layer(LAZY, "files"),
-    "train": layer(ANYWHERE, "schedule sim plan runtime models data spec files records"),
+    "train": layer(
+        ANYWHERE, "schedule sim plan runtime models data spec model_config files records"
+    ),
     "bench": layer(LAZY, "schedule sim plan runtime models spec"),
     "cli": layer(
-        LAZY, "schedule sim viz plan runtime models measure bench data train spec files records"
+        LAZY,
+        "schedule sim viz plan runtime models measure bench data train spec model_config files records",
     ),
     "__main__": layer(LAZY, "cli"),
     "cutpipe": layer(NEVER, "schedule sim"),

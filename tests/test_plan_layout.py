@@ -168,7 +168,7 @@ def test_cli_profile_then_recommend_with_it(capsys, tmp_path):
     ("args", "message"),
     [
         (["recommend", "-n", "8", "--gpu", "H100"], "give the model"),
-        (["recommend", "-n", "8", "--gpu", "B200", "--model", "M"], "unknown GPU 'B200'"),
+        (["recommend", "-n", "8", "--gpu", "V100", "--model", "M"], "unknown GPU 'V100'"),
         (["recommend", "-n", "8", "--gpu", "H100", "--model", "M", "--memory-gb", "-1"], "--memory-gb: must be a finite number > 0"),
         (["recommend", "-n", "64", "--gpu", "H100", "--model", "DS"], "does not fit on 64 x H100"),
         (["tune", "-r", "4", "-m", "8", "--memory-cap", "1"], "below the smallest possible peak"),

@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from cutpipe.models.transformer import Embedding, Head, LanguageModelLoss, Layer
-from cutpipe.plan.costs import GPUS, ItemCost, model_items
+from cutpipe.plan.costs import ItemCost, gpu, model_items
 from cutpipe.plan.profile import DTYPES, Profile
 from cutpipe.runtime.split import WeightGradients, WeightSplitter
 from cutpipe.spec import DTYPE_BYTES, ModelSpec
@@ -122,7 +122,7 @@ def check_fits(model: ModelSpec, device: str = "cpu", dtype: str | None = None) 
     target = torch.device(device)
     name = dtype or ("fp32" if target.type == "cpu" else model.dtype)
     size = DTYPE_BYTES.get(name, 4)
-    items = model_items(model, GPUS["A100"])  # sizes only: the hardware does not matter
+    items = model_items(model, gpu("A100"))  # sizes only: the hardware does not matter
     kinds = {"embedding": items[0], "head": items[-1]}
     for item in items[1:-1]:
         kinds.setdefault("moe_layer" if item.expert_parameters else "dense_layer", item)

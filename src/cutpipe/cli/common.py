@@ -240,14 +240,20 @@ def fmt(value: float | None, digits: int = 4) -> str:
 
 def add_model_arguments(parser: argparse.ArgumentParser, gpu_required: bool = True) -> None:
     """--model, --profile, --gpu, --memory-gb: what is trained on what."""
-    parser.add_argument("--model", metavar="FILE", help="model description (YAML or JSON)")
+    parser.add_argument("--model", metavar="FILE",
+                        help="cutpipe model YAML/JSON or a Hugging Face config.json")  # fmt: skip
     parser.add_argument(
         "--profile",
         metavar="FILE",
         help="measured costs from cutpipe profile instead of the analytic model "
         "(its model is used when --model is not given)",
     )
-    parser.add_argument("--gpu", required=gpu_required, metavar="NAME", help="A100, H100 or H200")
+    parser.add_argument(
+        "--gpu",
+        required=gpu_required,
+        metavar="NAME",
+        help="A100-40GB, A100-80GB (A100), H100, H800, H200, B200, MI300X, or a GPU file FILE.yaml",
+    )
     parser.add_argument(
         "--memory-gb",
         type=real(0.0, MAX_MEMORY_GB, unit="GB per device"),
@@ -258,14 +264,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, gpu_required: bool = Tr
 
 def load_model_arguments(args: argparse.Namespace):
     """(model, hardware, profile or None, memory bytes or None) from ``add_model_arguments``."""
-    from cutpipe.plan.costs import gpu
+    from cutpipe.model_config import load_model_config
+    from cutpipe.plan.hardware import gpu
     from cutpipe.plan.profile import Profile
-    from cutpipe.spec import ModelSpec
 
     if args.model is None and args.profile is None:
         raise ValueError("give the model: --model FILE.yaml (or --profile FILE.json)")
     profile = Profile.load(args.profile) if args.profile is not None else None
-    model = ModelSpec.load(args.model) if args.model is not None else profile.model
+    model = load_model_config(args.model) if args.model is not None else profile.model
     if profile is not None and profile.model != model:
         raise ValueError(
             f"{args.profile} was measured for model {profile.model.name!r}, not {model.name!r}: "

@@ -319,7 +319,7 @@ def run_model(args: argparse.Namespace) -> int:
         raise ValueError("--emulate and --trace run the toy model: drop --model, or drop them")
     if args.nproc is None:
         raise ValueError("give the number of processes: --nproc N")
-    from cutpipe.models.config import load_model_config
+    from cutpipe.model_config import load_model_config
 
     load_model_config(options.model)  # a broken model file fails here, once
     # a shape the schedule refuses, or a file for other ranks, fails here, once

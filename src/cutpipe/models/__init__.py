@@ -1,6 +1,6 @@
 """Reference models to run pipelines on."""
 
-from cutpipe.models.config import load_model_config
+from cutpipe.model_config import load_model_config
 from cutpipe.models.expert_parallel import ExpertParallel, expert_parameters, shard_experts
 from cutpipe.models.mlp import mlp
 from cutpipe.models.moe_stage import MoEStage, moe_stages

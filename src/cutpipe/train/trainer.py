@@ -116,7 +116,7 @@ class Trainer:
 
     def __init__(self, options: TrainOptions) -> None:
         from cutpipe.data import TokenLoader, load_tokens, unigram_entropy
-        from cutpipe.models.config import load_model_config
+        from cutpipe.model_config import load_model_config
         from cutpipe.models.transformer import LanguageModelLoss, Layer, language_model
         from cutpipe.runtime import PipelineRunner
         from cutpipe.runtime.flat import local

@@ -141,7 +141,7 @@ def spec_from_hf_config(
         raise ValueError(
             f"{source}: unknown keys {unknown}; cutpipe reads "
             f"{', '.join(sorted(READ))} and ignores keys that do not change its layers "
-            "(see cutpipe.models.config): remove these, or describe the model in a cutpipe "
+            "(see cutpipe.model_config): remove these, or describe the model in a cutpipe "
             "model file"
         )
     sizes = _sizes(_Reader(config, source), max_seq_len)
