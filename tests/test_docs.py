@@ -105,6 +105,7 @@ def test_excerpts_say_why():
 def sandbox(tmp_path: Path) -> dict[str, str]:
     """Prepare ``tmp_path`` to run doc commands in; return their environment."""
     (tmp_path / "examples").symlink_to(ROOT / "examples", target_is_directory=True)
+    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks", target_is_directory=True)
     (tmp_path / "docs" / "figures").mkdir(parents=True)
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

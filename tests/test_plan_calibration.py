@@ -121,3 +121,29 @@ def test_tensor_parallelism_splits_weights_and_activations_and_adds_collectives(
 def test_bad_training_options(change, message):
     with pytest.raises(ValueError, match=message):
         Training(**change)
+
+
+#: The paper's bubble rates at these costs (1F1B and ZB-H1 absolute, ZB-H2 by the span measure).
+PUBLISHED_BUBBLES = {"zb-1.5b": (8, 24, 0.2431, 0.1585, 0.1083),
+                     "zb-14.6b": (16, 64, 0.2082, 0.1088, 0.0516)}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model, layers, f, b, w, comm", PROFILED, ids=lambda v: getattr(v, "name", "")
+)
+def test_predicted_costs_give_the_papers_bubble_rates_within_half_a_point(
+    model, layers, f, b, w, comm
+):
+    from cutpipe.schedule.registry import generate
+    from cutpipe.sim.costs import Costs
+    from cutpipe.sim.metrics import metrics
+    from cutpipe.sim.simulate import simulate
+
+    layer = layer_cost(model, A100, 0)
+    costs = Costs(f=layers * layer.forward, b=layers * layer.backward, w=layers * layer.weight,
+                  comm=p2p_time(model, A100, within_node=True))  # fmt: skip
+    ranks, m, *published = PUBLISHED_BUBBLES[model.name]
+    for name, want in zip(("1f1b", "zbh1", "zbh2"), published, strict=True):
+        result = metrics(simulate(generate(name, ranks, m), costs), costs)
+        got = result.bubble_ratio_span if name == "zbh2" else result.bubble_ratio
+        assert got == pytest.approx(want, abs=0.005), name
