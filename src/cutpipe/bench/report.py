@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 #: The report's three schedules plus ZB-V (the best V-shape without overlapped pairs): the
 #: schedules both halves of the benchmark run, and those the claims below name.
@@ -32,6 +33,9 @@ class Row:
     params_x: float = 1.0  # parameters per device against 1F1B
     pp_traffic_x: float = 1.0  # pipeline point-to-point bytes against 1F1B
     note: str = ""
+    # simulated rows: the step's parts in seconds and bytes (``simulate_at_scale``), from which
+    # ``cutpipe.bench.published`` explains where the report's figures differ
+    detail: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -120,6 +120,28 @@ def exposed_alltoall(schedule: Schedule, costs: Costs) -> list[float]:
     return exposed
 
 
+def alltoall_seconds(schedule: Schedule, costs: Costs) -> list[float]:
+    """Per rank, every all-to-all second of a step, hidden in a pair or not."""
+    S = schedule.num_stages
+    ep_f, ep_b = costs.per_stage("ep_f", S), costs.per_stage("ep_b", S)
+    seconds = []
+    for ops in schedule.actions:
+        total = 0.0
+        for op in ops:
+            if type(op) is Overlap:
+                total += ep_f[op.forward.stage] + ep_b[op.backward.stage]
+            elif op.kind == Kind.F:
+                total += ep_f[op.stage]
+            elif op.kind in (Kind.B, Kind.BW):
+                total += ep_b[op.stage]
+        seconds.append(total)
+    return seconds
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
 def simulate_at_scale(
     setting: SimulatedSetting | None = None, schedules: Sequence[str] = LINEUP
 ) -> list[Row]:
@@ -149,6 +171,21 @@ def simulate_at_scale(
         peak_rank = max(range(setting.pp), key=lambda r: state[r] + activations[r])
         exposed = exposed_alltoall(schedule, costs)
         stored = sum(state) / STATE_BYTES_PER_PARAMETER / sum(params)  # copies count
+        S = schedule.num_stages
+        detail = {
+            "ranks": setting.pp,
+            "stages": S,
+            "microbatches": m,
+            "makespan": result.makespan,  # seconds
+            "busy_per_rank": result.busy_per_rank,  # compute plus exposed all-to-all
+            "compute_per_rank": [b - e for b, e in zip(result.busy_per_rank, exposed, strict=True)],
+            "alltoall_per_rank": alltoall_seconds(schedule, costs),  # hidden or not
+            "p2p_per_rank": result.p2p_sends * costs.comm / setting.pp,  # mean over ranks
+            # one stage's op on one microbatch, the mean over the stages (a V's are half stages)
+            **{name: _mean(costs.per_stage(name, S)) for name in ("f", "b", "w")},
+            "stage_activation": _mean(costs.per_stage("activation", S)),  # bytes
+            "peak_rank": peak_rank,
+        }
         rows.append(
             Row(
                 schedule=name,
@@ -162,6 +199,7 @@ def simulate_at_scale(
                 params_x=stored,
                 pp_traffic_x=result.p2p_sends / baseline,
                 note=f"stages {sizes}",
+                detail=detail,
             )
         )
     return rows

@@ -5,8 +5,10 @@ Runs the schedules for real on local gloo processes (PP x EP, a small MoE transf
 simulates them at the report's scale (8 devices, 40 layers, 8 experts, batch 1024 of 2048 tokens,
 costs from the model's FLOPs and bytes on ``--gpu``), then prints one table in the report's layout
 (throughput, peak memory, bubble share, communication share) and says where the figures agree
-with the report's claims and where not, and why (docs/formulas.md). ``--sim-only`` skips the real
-runs.
+with the report's claims and where not, and why (docs/formulas.md). Then it sets the report's own
+measured figures (its Table 2) beside the simulation at the report's setting and the real run,
+and explains each metric on which they differ from the simulated step's seconds and bytes
+(``cutpipe.bench.published``). ``--sim-only`` skips the real runs.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
         measured, ratio = run_real(real, timeout=args.timeout)
     checks = verdicts(measured, simulated)
+    published = _published(scaled, simulated, measured)
     if args.json:
         print_json(
             {
@@ -100,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
                 "simulated": [row.to_dict() for row in simulated],
                 "hook_step_ratio": None if math.isnan(ratio) else ratio,
                 "verdicts": [check.__dict__ for check in checks],
+                "published": published,
                 "settings": {
                     "real": real.to_dict(),
                     "simulated": {**scaled.__dict__, "model": scaled.model.__dict__},
@@ -131,9 +135,71 @@ def run(args: argparse.Namespace) -> int:
             f"Overlap hook, measured side by side: DualPipeV steps take {ratio:.3f}x the time "
             f"with the hook than without ({1 / ratio:.2f}x the throughput)."
         )
-    console.print(
-        "\nAgainst the Cut-in-half report's claims (its measured figures are not reproduced here):"
-    )
+    console.print("\nAgainst the Cut-in-half report's claims (its measured figures: after these):")
     for check in checks:
         console.print(check.text())
+    _print_published(console, published)
     return 0
+
+
+def _published(scaled: Any, simulated: list, measured: list) -> dict[str, Any]:
+    """The report's Table 2 beside the simulation at its setting and the real run (JSON-ready)."""
+    from cutpipe.bench import published as table_2
+    from cutpipe.bench.simulated import SimulatedSetting, simulate_at_scale
+
+    differences = table_2.setting_differences(scaled)
+    at_report, rows = scaled, simulated
+    if differences:  # the comparison needs the report's setting: simulate it apart
+        at_report = SimulatedSetting()
+        rows = simulate_at_scale(at_report)
+    comparisons = table_2.compare(rows, measured)
+    explanations = table_2.explain(comparisons, rows, measured, at_report)
+    return {
+        "source": table_2.SOURCE,
+        "setting": table_2.REPORT_SETTING,
+        "figures": table_2.PUBLISHED,
+        "table_1": table_2.TABLE_1,
+        "conclusions": list(table_2.CONCLUSIONS),
+        "tolerance": table_2.TOLERANCE,
+        "simulated_setting": {
+            "gpu": at_report.gpu,
+            "devices": at_report.devices,
+            "pp": at_report.pp,
+            "ep": at_report.ep,
+            "batch": at_report.batch,
+            "model": at_report.model.name,
+        },
+        "simulation_above_differs": differences,
+        "comparisons": [c.to_dict() for c in comparisons],
+        "explanations": [e.to_dict() for e in explanations],
+    }
+
+
+def _print_published(console: Any, published: dict[str, Any]) -> None:
+    from cutpipe.bench.published import Comparison, Explanation, render, tolerance_text
+
+    at = published["simulated_setting"]
+    console.print(
+        f"\nBeside the report's measured figures ({published['source']}: 8 A100s, 40-layer MoE, "
+        "8 experts, batch 1024 x 2048 tokens). sim.: cutpipe's simulation at that setting, "
+        f"{at['devices']} x {at['gpu']} as PP {at['pp']} x EP {at['ep']}, {at['model']} (the "
+        "split and the hidden sizes are cutpipe's: the report gives neither). here: the small "
+        "real run, not to scale."
+    )
+    if published["simulation_above_differs"]:
+        console.print(
+            "The simulation above is not at the report's setting ("
+            + ", ".join(published["simulation_above_differs"])
+            + "); the rows below simulate the report's."
+        )
+    comparisons = [Comparison(**c) for c in published["comparisons"]]
+    console.print(render(comparisons, "The Cut-in-half report's Table 2 beside cutpipe"))
+    explanations = [Explanation(**e) for e in published["explanations"]]
+    console.print(
+        f"* outside the tolerance ({tolerance_text()}). Where they differ, why, from the "
+        "simulation's own numbers:"
+    )
+    if not explanations:
+        console.print("- every figure is within the tolerance.")
+    for explanation in explanations:
+        console.print(explanation.line())
