@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cutpipe.models import language_model
 from cutpipe.model_config import is_hf_config, load_model_config, spec_from_hf_config
+from cutpipe.models import language_model
 from cutpipe.spec import ModelSpec
 
 EXAMPLES = Path(__file__).parents[1] / "examples" / "models"

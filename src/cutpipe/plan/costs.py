@@ -317,6 +317,25 @@ def p2p_time(
     return hardware.p2p_time(boundary_bytes(model, training), within_node)
 
 
+def training_flops_per_token(model: ModelSpec) -> float:
+    """FLOPs of F, B and W for one token through the whole model (three times the forward's
+    matmuls, routed experts counted for the ``k`` a token uses): the numerator of MFU."""
+    h, s = model.hidden, model.seq_len
+    d, kv = h // model.heads, model.kv_heads or model.heads
+    g = 3 if model.gated_mlp else 2
+    causal = 0.5 if model.flash_attention else 1.0
+    attention = h * (2 * h + 2 * kv * d) + 2 * s * h * causal
+    dense_ffn = model.dense_ffn or model.ffn
+    if model.moe:
+        moe_layers = model.layers - model.dense_layers
+        mlp = model.dense_layers * g * h * dense_ffn + moe_layers * (
+            (model.top_k + model.shared_experts) * g * h * model.ffn + h * model.experts
+        )
+    else:
+        mlp = model.layers * g * h * model.ffn
+    return 3 * 2 * (model.layers * attention + mlp + h * model.vocab)
+
+
 def optimizer_time(parameters: float, hardware: Hardware, training: Training = PLAIN) -> float:
     """Seconds for one Adam step over ``parameters`` on a rank (ZeRO-1+ steps only its shard)."""
     share = 1.0 / training.dp if training.zero >= 1 else 1.0
