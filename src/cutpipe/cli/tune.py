@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from contextlib import suppress
+from dataclasses import dataclass
 
 from cutpipe.cli.common import (
     add_costs_argument,
@@ -11,13 +12,14 @@ from cutpipe.cli.common import (
     output_file,
     positive_int,
     print_json,
+    readable_file,
     real,
 )
 from cutpipe.plan.bounds import v_bubble_lower_bound
-from cutpipe.plan.scheduler import FIXED, cost_aware, default_cap
+from cutpipe.plan.scheduler import FIXED, cost_aware, default_cap, within
 from cutpipe.schedule.fileformat import ENDINGS, save_schedule
 from cutpipe.schedule.registry import schedule_info
-from cutpipe.sim.costs import MAX_COST
+from cutpipe.sim.costs import MAX_COST, Costs
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
 
@@ -25,6 +27,10 @@ OBJECTIVES = {
     "makespan": lambda result: (result.makespan, result.bubble_ratio_span),
     "span": lambda result: (result.bubble_ratio_span, result.makespan),
 }
+#: The schedule whose placement the model's layers are balanced for (only its placement counts).
+BALANCED_FOR = {"linear": "1f1b", "v": "zbv"}
+#: The most a ``--memory-cap-x`` may multiply the default cap by.
+MAX_CAP_FACTOR = 1e6
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -32,20 +38,47 @@ def register(commands: argparse._SubParsersAction) -> None:
         "tune",
         help="search a cost-aware schedule under a memory cap",
         description="Place F, B and W passes (and, on a V, the order of chunks) by simulated time "
-        "for the given costs, under a per-rank activation cap, and compare with the fixed orders.",
+        "for the given costs, under a per-rank activation cap, and compare with the fixed orders. "
+        "The costs are scalars (--costs), or per stage from a model (--model) or a profile "
+        "(--profile) on a GPU (--gpu), its layers balanced over the placement's stages.",
     )
     parser.add_argument("--placement", choices=("linear", "v"), default="v",
                         help="one stage per rank (linear) or two folded into a V (default v)")  # fmt: skip
     parser.add_argument("--ranks", "-r", type=positive_int, required=True, help="pipeline ranks")
     parser.add_argument("--microbatches", "-m", type=positive_int, required=True,
                         help="microbatches per step")  # fmt: skip
-    add_costs_argument(parser, "", "stage (a V stage is half a rank's layers)")
+    source = parser.add_mutually_exclusive_group()
+    add_costs_argument(source, "", "stage (a V stage is half a rank's layers)")
+    source.add_argument(
+        "--model",
+        type=readable_file,
+        metavar="FILE",
+        help="a cutpipe model file (YAML or JSON): per-stage costs in seconds and bytes from the "
+        "analytic model on --gpu, the layers balanced over the placement's stages",
+    )
+    source.add_argument(
+        "--profile",
+        type=readable_file,
+        metavar="FILE",
+        help="measured costs from cutpipe profile, balanced likewise (links from --gpu)",
+    )
+    parser.add_argument(
+        "--gpu", metavar="NAME", help="A100, H100 or H200: the devices, with --model or --profile"
+    )
     parser.add_argument(
         "--memory-cap",
-        type=real(0.0, MAX_COST, unit="stage activations"),
+        type=real(0.0, MAX_COST, unit="units of the costs' activation"),
         metavar="A",
-        help="activations a rank may hold, in units of one stage's (default: 1F1B's peak, "
+        help="activation memory a rank may hold, in the units of the costs' activation: stage "
+        "activations with --costs, bytes with --model or --profile (default: 1F1B's peak, "
         "R units on a linear placement and 2R on a V)",
+    )
+    parser.add_argument(
+        "--memory-cap-x",
+        type=real(0.0, MAX_CAP_FACTOR, unit="times 1F1B's peak"),
+        metavar="X",
+        help="the cap as X times the default, 1F1B's peak (ZB-H1's is 1, ZB-H2's 2), with "
+        "any costs; instead of --memory-cap",
     )
     parser.add_argument("--objective", choices=tuple(OBJECTIVES), default="makespan",
                         help="what to minimise: the step (makespan) or the span bubble")  # fmt: skip
@@ -63,9 +96,77 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+@dataclass(frozen=True)
+class Planned:
+    """Where per-stage costs came from: a model (or its profile) on a GPU, split into stages."""
+
+    source: str  # "model" or "profile"
+    model: str
+    gpu: str
+    sizes: list[int]  # cost items per stage (the first holds the embedding, the last the head)
+
+    @property
+    def layers(self) -> list[int]:
+        last = len(self.sizes) - 1
+        return [size - (s == 0) - (s == last) for s, size in enumerate(self.sizes)]
+
+
+def planned_costs(args: argparse.Namespace) -> tuple[Costs, Planned]:
+    """Per-stage costs (seconds, bytes) of ``--model`` or ``--profile`` on ``--gpu``: the
+    model's items balanced over the placement's stages, as ``cutpipe partition`` does."""
+    from cutpipe.plan.costs import gpu, model_items, p2p_time, w_memory
+    from cutpipe.plan.partition import rank_balanced_sizes, stage_costs
+    from cutpipe.plan.profile import Profile
+    from cutpipe.spec import ModelSpec
+
+    option = "--model" if args.model is not None else "--profile"
+    if args.gpu is None:
+        raise ValueError(f"{option} needs --gpu NAME (A100, H100 or H200): the costs depend on it")
+    hardware = gpu(args.gpu)
+    if args.profile is not None:
+        profile = Profile.load(args.profile)
+        model, items, kept = profile.model, profile.items_for(hardware), profile.w_memory
+    else:
+        model = ModelSpec.load(args.model)
+        items, kept = model_items(model, hardware), w_memory(model)
+    ranks = args.ranks
+    stages = ranks * (2 if args.placement == "v" else 1)
+    if len(items) < stages:
+        raise ValueError(
+            f"{model.name} has {len(items) - 2} layers (with its embedding and head, "
+            f"{len(items)} items), too few for the {stages} stages of a {args.placement} "
+            f"placement on {ranks} ranks: that needs at least {stages - 2} layers; use fewer ranks"
+        )
+    shape = schedule_info(BALANCED_FOR[args.placement]).generate(ranks, args.microbatches)
+    sizes = rank_balanced_sizes(items, shape)
+    comm = p2p_time(model, hardware, within_node=ranks <= hardware.gpus_per_node)
+    costs = stage_costs(items, sizes, comm, kept)
+    source = "model" if args.model is not None else "profile"
+    return costs, Planned(source, model.name, hardware.name, sizes)
+
+
 def run(args: argparse.Namespace) -> int:
-    costs, R, m = args.costs, args.ranks, args.microbatches
-    tuned = cost_aware(args.placement, R, m, costs, args.memory_cap, OBJECTIVES[args.objective],
+    R, m = args.ranks, args.microbatches
+    if args.memory_cap is not None and args.memory_cap_x is not None:
+        raise ValueError(
+            "give the cap once: --memory-cap A (absolute, in the units of the costs' activation) "
+            "or --memory-cap-x X (times 1F1B's peak), not both"
+        )
+    planned = None
+    if args.model is not None or args.profile is not None:
+        costs, planned = planned_costs(args)
+    elif args.gpu is not None:
+        raise ValueError(
+            "--gpu applies to --model or --profile: --costs gives the costs themselves"
+        )
+    else:
+        costs = args.costs
+    default = default_cap(args.placement, R, costs)
+    if args.memory_cap_x is not None:
+        cap = args.memory_cap_x * default
+    else:
+        cap = args.memory_cap if args.memory_cap is not None else default
+    tuned = cost_aware(args.placement, R, m, costs, cap, OBJECTIVES[args.objective],
                        args.seconds)  # fmt: skip
     rows = [(tuned.name, metrics(simulate(tuned, costs), costs))]
     for name in FIXED[args.placement]:
@@ -73,7 +174,6 @@ def run(args: argparse.Namespace) -> int:
         if info.accepts(R, m):
             fixed = info.generate(R, m)
             rows.append((name, metrics(simulate(fixed, costs), costs)))
-    cap = args.memory_cap if args.memory_cap is not None else default_cap(args.placement, R, costs)
     floor = None
     if args.placement == "v":
         with suppress(ValueError):  # per-stage costs, all-to-alls: the bound does not cover them
@@ -84,21 +184,51 @@ def run(args: argparse.Namespace) -> int:
         report = {name: result.to_dict() for name, result in rows}
         if floor is not None:
             report["lower_bound"] = {"bubble_ratio_span": floor}
+        if planned is not None:
+            report["plan"] = {
+                "source": planned.source,
+                "model": planned.model,
+                "gpu": planned.gpu,
+                "layers_per_stage": planned.layers,
+                "memory_cap": cap,
+                "memory_cap_unit": "bytes",
+                "default_memory_cap": default,
+            }
         print_json(report)
         return 0
+    print_table(args, rows, cap, planned, floor)
+    return 0
+
+
+def print_table(args: argparse.Namespace, rows: list, cap: float, planned: Planned | None,
+                floor: float | None) -> None:  # fmt: skip
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{args.placement} placement, R={R}, m={m}, activation cap {fmt(cap)}")
-    for column in ("schedule", "makespan", "bubble (abs)", "bubble (span)", "peak activations"):
+    R, m = args.ranks, args.microbatches
+    factor = f" ({fmt(args.memory_cap_x)}x 1F1B's peak)" if args.memory_cap_x is not None else ""
+    if planned is None:
+        title = f"{args.placement} placement, R={R}, m={m}, activation cap {fmt(cap)}{factor}"
+        time_unit, time_scale, memory_unit, memory_scale = "", 1.0, "", 1.0
+    else:
+        layers = ",".join(map(str, planned.layers))
+        title = (
+            f"{planned.model} on {R} x {planned.gpu} ({planned.source}): {args.placement} "
+            f"placement, m={m}, layers per stage {layers} (+embedding, +head), activation cap "
+            f"{cap / 1e9:.3f} GB{factor}"
+        )
+        time_unit, time_scale, memory_unit, memory_scale = " (ms)", 1e3, " (GB)", 1e-9
+    table = Table(title=title)
+    for column in ("schedule", f"makespan{time_unit}", "bubble (abs)", "bubble (span)",
+                   f"peak activations{memory_unit}"):  # fmt: skip
         table.add_column(column, justify="left" if column == "schedule" else "right")
     for name, result in rows:
-        table.add_row(name, fmt(result.makespan), fmt(result.bubble_ratio), fmt(result.bubble_ratio_span),
-                      fmt(max(result.peak_activations_per_rank))
-                      + ("" if max(result.peak_activations_per_rank) <= cap + 1e-9 else " (over)"))  # fmt: skip
+        peak = max(result.peak_activations_per_rank)
+        table.add_row(name, fmt(result.makespan * time_scale), fmt(result.bubble_ratio),
+                      fmt(result.bubble_ratio_span), fmt(peak * memory_scale)
+                      + ("" if within(peak, cap) else " (over)"))  # fmt: skip
     console = Console()
     console.print(table)
     if floor is not None:
         console.print(f"No V schedule has a span bubble below {floor:.6f} with these costs and this "
                       "cap (cutpipe.plan.bounds).")  # fmt: skip
-    return 0

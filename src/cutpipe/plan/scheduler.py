@@ -32,7 +32,7 @@ from cutpipe.schedule.limits import check_size
 from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.schedule.schedule import Schedule
-from cutpipe.sim.costs import Costs
+from cutpipe.sim.costs import PER_STAGE, Costs
 from cutpipe.sim.memory import peak_activations
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
@@ -50,6 +50,17 @@ class Policy:
 POLICIES = tuple(
     Policy(a, b, c) for a in (True, False) for b in (True, False) for c in (False, True)
 )
+
+
+#: How far over the cap a memory figure may be and still fit: rounding only. Per-stage
+#: activations in bytes (1e9 and more) summed in another order differ by many units in the last
+#: place, so the slack is relative to the cap (and absolute below one unit).
+CAP_SLACK = 1e-9
+
+
+def within(memory: float, cap: float) -> bool:
+    """Whether ``memory`` fits under ``cap`` (same units), up to rounding."""
+    return memory <= cap + CAP_SLACK * max(1.0, abs(cap))
 
 
 def _placement(kind: str, ranks: int) -> Placement:
@@ -89,7 +100,7 @@ def list_schedule(
         reserve = sum(
             activation[s] for s in chunks[rank] if s > stage and next_f[s] < m and not in_flight[s]
         )
-        return memory[rank] + activation[stage] + reserve <= cap + 1e-9
+        return within(memory[rank] + activation[stage] + reserve, cap)
 
     def arrivals(rank: int, now: float, below: int | None = None) -> list[float]:
         """Known future times at which work becomes ready on ``rank``: a B (priority 0) or the
@@ -230,7 +241,7 @@ def fill_weights(base: Schedule, costs: Costs, cap: float, patient: bool) -> Sch
         code = main[r][pointer[r]]
         times = [ranks.ready[half] for half in halves(code)]
         ready = None if None in times else max([now, *times])
-        over = memory[r] + allocation(code) > cap + 1e-9
+        over = not within(memory[r] + allocation(code), cap)
         if pending[r] and (over or ready is None or ready > now):
             stage = pending[r][0][0]
             if over or not patient or (ready is not None and now + w[stage] <= ready):
@@ -296,7 +307,7 @@ def improve(
                 except ValueError:  # the swap broke a dependency
                     continue
                 if (
-                    max(result.peak_activations_per_rank) <= cap + 1e-9
+                    within(max(result.peak_activations_per_rank), cap)
                     and score(result) < best_score
                 ):
                     best, best_result, best_score, improved = candidate, result, score(result), True
@@ -311,7 +322,9 @@ FIXED = {"linear": ("1f1b", "zbh1", "zbh2"), "v": ("zbv", "dualpipev")}
 
 
 def default_cap(placement: str, ranks: int, costs: Costs) -> float:
-    """1F1B's activation peak: R stage activations, or 2R half-size ones on a V."""
+    """1F1B's activation peak: R stage activations, or 2R half-size ones on a V, in the units
+    of ``costs.activation``. With per-stage activations (bytes, from the planner) each of those
+    is the largest stage's, so the cap holds 1F1B's peak whichever rank sets it."""
     chunks = 2 if placement == "v" else 1
     return ranks * chunks * max(costs.per_stage("activation", chunks * ranks))
 
@@ -343,10 +356,13 @@ def check_search(
             raise TypeError(f"cost_aware: {label} must be a number, got {value!r}")
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"cost_aware: {label} must be a finite number >= 0, got {value}")
+    stages = ranks * (2 if placement == "v" else 1)
     check_size(
-        f"a cost-aware search ({placement})", ranks, ranks * (2 if placement == "v" else 1),
-        microbatches, limit=MAX_SEARCHED_OPS,
-    )  # fmt: skip
+        f"a cost-aware search ({placement})", ranks, stages, microbatches, limit=MAX_SEARCHED_OPS
+    )
+    for name in PER_STAGE:  # a list must give one value per stage: R, or 2R on a V
+        if name != "params" or costs.params is not None:
+            costs.per_stage(name, stages)
 
 
 def cost_aware(
@@ -361,9 +377,12 @@ def cost_aware(
 ) -> Schedule:
     """The fastest schedule found for these costs whose activation peak stays under the cap.
 
-    ``memory_cap`` is per rank, in the units of ``costs.activation`` (default: 1F1B's peak, R
-    stage activations; on a V, R full-size activations). ``objective`` maps a simulated
-    ``Metrics`` to what to minimise (default: the makespan, then the span bubble). Candidates:
+    ``memory_cap`` is per rank, in the units of ``costs.activation``: stage activations for
+    scalar costs, bytes for the planner's per-stage ``Costs`` (``plan.partition.stage_costs``),
+    whose fields list one value per stage (R on a linear placement, 2R on a V). Default:
+    ``default_cap``, 1F1B's peak (R stage activations; on a V, R full-size ones; per stage,
+    the largest stage's). ``objective`` maps a simulated ``Metrics`` to what to minimise
+    (default: the makespan, then the span bubble). Candidates:
     the list schedules of every policy, the fixed orders that fit the cap, each of them with
     its W passes re-placed; the best gets its cool-down settled (``plan.cooldown``), then
     ``search_seconds`` of local search (at most ``search_evaluations`` simulations, if given),
@@ -373,7 +392,7 @@ def cost_aware(
     kind = _placement(placement, ranks)
     cap = memory_cap if memory_cap is not None else default_cap(placement, ranks, costs)
     smallest = smallest_cap(kind, costs)
-    if cap < smallest:
+    if not within(smallest, cap):
         raise ValueError(
             f"memory cap {cap:g} is below the smallest possible peak: a rank must hold one "
             f"activation of each stage it runs ({smallest:g} here, {smallest - cap:g} more)"
@@ -398,7 +417,7 @@ def cost_aware(
             info = schedule_info(name)
             if info.accepts(ranks, microbatches):
                 fixed = info.generate(ranks, microbatches)
-                if max(peak_activations(fixed, costs)) <= cap + 1e-9:
+                if within(max(peak_activations(fixed, costs)), cap):
                     bases.append(fixed)
             tick(status="fixed orders")
         if not bases:
@@ -408,7 +427,7 @@ def cost_aware(
         for _, _, base in scored[:REFILLED]:  # re-placing W passes is slow: the front-runners
             for patient in (True, False):
                 filled = fill_weights(base, costs, cap, patient)
-                if max(peak_activations(filled, costs)) <= cap + 1e-9:
+                if within(max(peak_activations(filled, costs)), cap):
                     candidates.append((rank(filled), filled))
                 tick(status="weight passes")
         best = min(candidates, key=lambda candidate: candidate[0])[1]
