@@ -149,7 +149,7 @@ def test_tune_on_a_profile(capsys, tmp_path):
     assert main(["tune", "-r", "2", "-m", "4", "--seconds", "0", "--profile", str(path), "--gpu",
                  "A100"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert "tiny on 2 x A100 (profile)" in out and "GB" in out and "makespan (ms)" in out
+    assert "tiny on 2 x A100-80GB (profile)" in out and "GB" in out and "makespan (ms)" in out
 
 
 def test_tune_table_names_the_layers_per_stage_and_the_cap_in_bytes(capsys):
@@ -188,3 +188,17 @@ def test_too_few_layers_for_the_stages(capsys, tmp_path):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "2 layers" in err and "8 stages" in err and "needs at least 6 layers" in err
+
+
+def test_tune_reads_a_hugging_face_config(tmp_path, capsys):
+    config = {"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 8,
+              "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 2816,
+              "vocab_size": 32000, "max_position_embeddings": 2048}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    args = ["tune", "--model", str(path), "--gpu", "H100", "-r", "2", "-m", "4", "--seconds", "0",
+            "--placement", "linear", "--json"]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["plan"]["model"] == tmp_path.name  # a config.json is named after its folder
+    assert sum(report["plan"]["layers_per_stage"]) == 8

@@ -63,7 +63,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="measured costs from cutpipe profile, balanced likewise (links from --gpu)",
     )
     parser.add_argument(
-        "--gpu", metavar="NAME", help="A100, H100 or H200: the devices, with --model or --profile"
+        "--gpu",
+        metavar="NAME",
+        help="a GPU preset (H100, ...) or a GPU file: the devices, with --model or --profile",
     )
     parser.add_argument(
         "--memory-cap",
@@ -114,20 +116,22 @@ class Planned:
 def planned_costs(args: argparse.Namespace) -> tuple[Costs, Planned]:
     """Per-stage costs (seconds, bytes) of ``--model`` or ``--profile`` on ``--gpu``: the
     model's items balanced over the placement's stages, as ``cutpipe partition`` does."""
+    from cutpipe.model_config import load_model_config
     from cutpipe.plan.costs import gpu, model_items, p2p_time, w_memory
     from cutpipe.plan.partition import rank_balanced_sizes, stage_costs
     from cutpipe.plan.profile import Profile
-    from cutpipe.spec import ModelSpec
 
     option = "--model" if args.model is not None else "--profile"
     if args.gpu is None:
-        raise ValueError(f"{option} needs --gpu NAME (A100, H100 or H200): the costs depend on it")
+        raise ValueError(
+            f"{option} needs --gpu NAME (e.g. H100, or a GPU file): the costs depend on it"
+        )
     hardware = gpu(args.gpu)
     if args.profile is not None:
         profile = Profile.load(args.profile)
         model, items, kept = profile.model, profile.items_for(hardware), profile.w_memory
     else:
-        model = ModelSpec.load(args.model)
+        model = load_model_config(args.model)
         items, kept = model_items(model, hardware), w_memory(model)
     ranks = args.ranks
     stages = ranks * (2 if args.placement == "v" else 1)
