@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import asdict
 
 from cutpipe.cli.common import (
@@ -13,7 +14,35 @@ from cutpipe.cli.common import (
     schedule_names,
     whole,
 )
-from cutpipe.plan.recommend import DEFAULT_SCHEDULES, MAX_DEVICES, reason, recommend
+from cutpipe.plan.recommend import (
+    DEFAULT_SCHEDULES,
+    MAX_DEVICES,
+    MEASURE_WORDS,
+    STEP_MEASURES,
+    USABLE_MEMORY,
+    Rejected,
+    reason,
+    recommend,
+)
+from cutpipe.schedule.params import split_specs
+
+
+def schedules_as_given(text: str) -> tuple[str, ...]:
+    """An argparse ``type``: ``--schedules`` checked like everywhere else, but kept as written,
+    so that ``interleaved`` (chunks 2 and 4 tried) stays apart from ``interleaved:chunks=2``."""
+    schedule_names(text)
+    return tuple(spec.strip() for spec in split_specs(text))
+
+
+def fraction(text: str) -> float:
+    """An argparse ``type``: a number F with 0 < F <= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0 and <= 1, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"must be a number > 0 and <= 1, got {text!r}")
+    return value
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -35,23 +64,53 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--schedules",
-        type=schedule_names,
+        type=schedules_as_given,
         default=DEFAULT_SCHEDULES,
-        help=f"comma-separated schedules to consider (default: {','.join(DEFAULT_SCHEDULES)})",
+        help=f"comma-separated schedules to consider (default: {','.join(DEFAULT_SCHEDULES)}); "
+        "interleaved without chunks is tried with 2 and 4",
+    )
+    parser.add_argument(
+        "--step-boundary",
+        choices=tuple(STEP_MEASURES),
+        default="sync",
+        help="sync: every rank waits for the gradient all-reduce, ranked by makespan (default); "
+        "overlap: consecutive steps overlap, ranked by span",
+    )
+    parser.add_argument(
+        "--usable-memory",
+        type=fraction,
+        default=USABLE_MEMORY,
+        metavar="F",
+        help=f"share of each GPU's memory a plan may fill, 0 < F <= 1 (default: {USABLE_MEMORY})",
     )
     parser.add_argument("--top", type=positive_int, default=8, help="how many plans to print")
+    parser.add_argument(
+        "--verbose", action="store_true", help="also list the candidates left out, and why"
+    )
     parser.add_argument("--json", action="store_true", help="print the plans as JSON")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     model, hardware, profile, memory = load_model_arguments(args)
+    rejected: list[Rejected] = []
     plans = recommend(
-        model, hardware, args.devices, args.global_batch, memory, list(args.schedules), profile
-    )
+        model, hardware, args.devices, args.global_batch, memory, list(args.schedules), profile,
+        step_boundary=args.step_boundary, usable_memory=args.usable_memory, rejected=rejected,
+    )  # fmt: skip
+    measure = STEP_MEASURES[args.step_boundary]
     shown = plans[: args.top]
     if args.json:
-        print_json({"plans": [asdict(plan) for plan in shown], "reason": reason(plans, hardware)})
+        print_json(
+            {
+                "step_boundary": args.step_boundary,
+                "step_measure": measure,
+                "usable_memory": args.usable_memory,
+                "plans": [asdict(plan) for plan in shown],
+                "rejected": [asdict(r) for r in rejected],
+                "reason": reason(plans, hardware),
+            }
+        )
         return 0
     from rich import box
     from rich.console import Console
@@ -61,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
         box=box.SIMPLE_HEAD,
         pad_edge=False,
         title=f"{model.name} on {args.devices} x {hardware.name}"
-        + (" (measured costs)" if profile else ""),
+        + (" (measured costs)" if profile else "")
+        + f", ranked by {MEASURE_WORDS[measure]}",
     )
     for column in ("layout", "schedule", "m", "tok/s", "step s", "bubble", "GB", "comm"):
         left = column in ("layout", "schedule")
@@ -80,4 +140,21 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     console.print(table)
     console.print(reason(plans, hardware))
+    if rejected and args.verbose:
+        left_out = Table(
+            box=box.SIMPLE_HEAD,
+            pad_edge=False,
+            title=f"left out ({len(rejected)}; {args.usable_memory:.0%} of the memory usable)",
+        )
+        left_out.add_column("layout", no_wrap=True)
+        left_out.add_column("schedule", no_wrap=True)
+        left_out.add_column("m", justify="right")
+        left_out.add_column("reason")
+        for r in rejected:
+            left_out.add_row(r.layout(), r.schedule_label(), str(r.microbatches or "-"), r.reason)
+        console.print(left_out)
+    elif rejected:
+        console.print(
+            f"{len(rejected)} candidates did not fit or could not run (--verbose lists them)"
+        )
     return 0

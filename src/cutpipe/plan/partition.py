@@ -74,14 +74,27 @@ def moves(sizes: Sequence[int]) -> Iterator[list[int]]:
 
 
 def even_sizes(items: Sequence[ItemCost], stages: int) -> list[int]:
-    """Layers spread evenly (earlier stages take the rest), embedding first, head last."""
+    """Layers spread evenly (earlier stages take the rest), embedding first, head last.
+
+    With more stages than layers (at most two more), the head and then the embedding get a
+    stage of their own."""
     layers = len(items) - 2
-    if layers < stages:
-        raise ValueError(f"{layers} layers cannot fill {stages} stages: use fewer stages")
-    base, extra = divmod(layers, stages)
-    sizes = [base + (s < extra) for s in range(stages)]
-    sizes[0] += 1
-    sizes[-1] += 1
+    if len(items) < stages:
+        raise ValueError(
+            f"{layers} layers + embedding + head = {len(items)} items cannot fill {stages} "
+            "stages: use fewer stages"
+        )
+    alone = max(0, stages - layers)  # 1: the head alone; 2: the embedding too
+    shared = stages - alone
+    base, extra = divmod(layers, shared)
+    sizes = [base + (s < extra) for s in range(shared)]
+    if alone == 2:
+        sizes = [1, *sizes, 1]
+    elif alone == 1:
+        sizes = [sizes[0] + 1, *sizes[1:], 1]
+    else:
+        sizes[0] += 1
+        sizes[-1] += 1
     return sizes
 
 
@@ -90,7 +103,10 @@ def compute_balanced_sizes(items: Sequence[ItemCost], stages: int) -> list[int]:
     comes closest to k/stages of the whole (each stage keeps at least one item)."""
     work = [item.forward + item.backward + item.weight for item in items]
     if len(work) < stages:
-        raise ValueError(f"{len(work) - 2} layers cannot fill {stages} stages: use fewer stages")
+        raise ValueError(
+            f"{len(work) - 2} layers + embedding + head = {len(work)} items cannot fill "
+            f"{stages} stages: use fewer stages"
+        )
     prefix = list(accumulate(work))
     total, cuts, previous = prefix[-1], [], 0
     for k in range(1, stages):
@@ -109,14 +125,19 @@ def rank_balanced_sizes(
 ) -> list[int]:  # fmt: skip
     """``compute_balanced_sizes``, then items moved between stages while the busiest rank's
     work shrinks: on a V a rank runs stages r and 2R-1-r, so equal stages are not equal ranks.
+    Where a rank holds several stages that run at different times (interleaved; DualPipe),
+    the largest stage shrinks first and the busiest rank second: a rank's chunks take turns, so
+    one long chunk holds up every rank behind it however even the rank totals are.
     With ``capacity`` (bytes), first of all while the fullest rank's memory shrinks towards it.
     Arithmetic and op-order memory only, no timing, so ``recommend`` can afford it for every
     candidate (give it a short ``schedule``: the memory peak does not grow with the step)."""
     placement = schedule.placement
     stages = placement.num_stages
     work = [item.forward + item.backward + item.weight for item in items]
+    by_chunk = chunked(schedule)
+    scale = sum(work) or 1.0
 
-    def score(sizes: list[int]) -> tuple[float, float, float]:
+    def score(sizes: list[int]) -> tuple[float, tuple[float, ...], float, float]:
         per_stage = [sum(work[a:b]) for a, b in pairwise([0, *accumulate(sizes)])]
         ranks = [0.0] * placement.num_ranks
         for pipe in placement.pipes:
@@ -127,7 +148,15 @@ def rank_balanced_sizes(
             costs = stage_costs(items, sizes, comm, w_memory)
             memory = rank_memory(schedule, costs, stage_state_bytes(items, sizes))
             over = max(0.0, max(memory) - capacity)
-        return over, max(ranks), sum(x * x for x in ranks)
+        # the largest stage, then the next largest, ...: with several stages at the largest, a
+        # move that shortens one of them is progress even though the largest stays (rounded, so
+        # that sums of the same work in another order tie)
+        stage_order = (
+            tuple(sorted((round(w / scale, 12) for w in per_stage), reverse=True))
+            if by_chunk
+            else ()
+        )
+        return over, stage_order, max(ranks), sum(x * x for x in ranks)
 
     sizes = compute_balanced_sizes(items, stages)
     best = score(sizes)
@@ -143,6 +172,16 @@ def rank_balanced_sizes(
                 if value < best:
                     sizes, best, improved = trial, value, True
     return sizes
+
+
+def chunked(schedule: Schedule) -> bool:
+    """Whether ``rank_balanced_sizes`` balances each stage before each rank: a placement whose
+    ranks hold several stages that run at different times (interleaved; DualPipe, whose two
+    pipes each run every stage in turn). A V is not one: its two stages on a rank meet at the
+    tip and are balanced as a pair."""
+    placement = schedule.placement
+    held = max(len(placement.stages_of(rank)) for rank in range(placement.num_ranks))
+    return placement.kind != "v" and held > 1
 
 
 def rank_memory(schedule: Schedule, costs: Costs, state_bytes: Sequence[float]) -> list[float]:
