@@ -33,6 +33,11 @@ DENSE = ModelSpec.load(EXAMPLES / "dense-7b.yaml")  # 32 layers: 34 cost items
 H100 = gpu("H100")
 
 
+#: The training setting fixed (no ZeRO, no recompute, no TP): these tests are about layouts
+#: and schedules, not about the setting search (tests/test_plan_search.py).
+PLAIN = {"zero": 0, "recompute": "none", "tp": 1}
+
+
 def thirty_layers(layers: int = 30, vocab: int = 32000) -> ModelSpec:
     return ModelSpec(name=f"small-{layers}", layers=layers, hidden=512, heads=8, ffn=2048,
                      vocab=vocab, seq_len=256)  # fmt: skip
@@ -50,8 +55,8 @@ def test_span_ranking_never_longer_and_shorter_where_a_rank_idles_at_the_ends():
     that rank's all-reduce), never more than the synchronised step, and shorter where no rank
     is busy from the first op to the last (DualPipe at PP=4)."""
     schedules = ["zbh2", "dualpipe", "zbv"]
-    sync = recommend(DENSE, H100, 8, schedules=schedules)
-    overlap = recommend(DENSE, H100, 8, schedules=schedules, step_boundary="overlap")
+    sync = recommend(DENSE, H100, 8, schedules=schedules, **PLAIN)
+    overlap = recommend(DENSE, H100, 8, schedules=schedules, step_boundary="overlap", **PLAIN)
     assert {p.step_measure for p in sync} == {"makespan"}
     assert {p.step_measure for p in overlap} == {"span"}
     same = by_layout(sync)
@@ -81,7 +86,7 @@ def test_every_candidate_is_either_a_plan_or_rejected_with_a_reason():
     """8 H100s, a global batch of 12: DP=8 cannot split it, PP=1 does not fit, DualPipe and
     Cut-in-half need more microbatches at PP=8 than 12, and so on; each says so."""
     rejected: list[Rejected] = []
-    plans = recommend(DENSE, H100, 8, global_batch=12, rejected=rejected)
+    plans = recommend(DENSE, H100, 8, global_batch=12, rejected=rejected, **PLAIN)
     assert rejected and all(r.reason for r in rejected)
     names = expand(["1f1b", "zbh1", "zbh2", "interleaved", "zbv", "dualpipe", "dualpipev"])
     covered = {(p.pp, p.schedule) for p in plans} | {(r.pp, r.schedule) for r in rejected}
@@ -174,9 +179,9 @@ def test_usable_memory_decides_what_fits_and_the_reason_says_how_much_is_usable(
     """The zero-bubble paper ran layouts that peak at up to 92.5 % of the memory: at 95 % they
     fit, at 90 % they did not (dense-7b at PP=2 on 8 H100s needs 75.9 GB with ZB-V)."""
     assert USABLE_MEMORY == 0.95
-    fits = by_layout(recommend(DENSE, H100, 8))
+    fits = by_layout(recommend(DENSE, H100, 8, **PLAIN))
     rejected: list[Rejected] = []
-    tight = by_layout(recommend(DENSE, H100, 8, usable_memory=0.9, rejected=rejected))
+    tight = by_layout(recommend(DENSE, H100, 8, usable_memory=0.9, rejected=rejected, **PLAIN))
     assert set(tight) < set(fits)
     gained = [fits[key] for key in set(fits) - set(tight)]
     assert all(72e9 < plan.peak_memory <= 76e9 for plan in gained)
@@ -212,7 +217,7 @@ def test_recommend_refuses_options_it_cannot_use(options, error, message):
 def test_cli_prints_the_measure_and_the_candidates_left_out(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # reasons on one line each
     base = ["recommend", "-n", "8", "--gpu", "H100", "--model", str(EXAMPLES / "dense-7b.yaml"),
-            "--global-batch", "12", "--top", "3"]  # fmt: skip
+            "--global-batch", "12", "--top", "3", "--zero", "0", "--recompute", "none", "--tp", "1"]  # fmt: skip
     assert main(base) == 0
     out = capsys.readouterr().out
     assert "ranked by makespan (steps synchronised)" in out

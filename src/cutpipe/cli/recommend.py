@@ -14,6 +14,7 @@ from cutpipe.cli.common import (
     schedule_names,
     whole,
 )
+from cutpipe.plan.costs import RECOMPUTE
 from cutpipe.plan.recommend import (
     DEFAULT_SCHEDULES,
     MAX_DEVICES,
@@ -43,6 +44,35 @@ def fraction(text: str) -> float:
     if not (math.isfinite(value) and 0 < value <= 1):
         raise argparse.ArgumentTypeError(f"must be a number > 0 and <= 1, got {text!r}")
     return value
+
+
+def rate(tokens_per_second: float) -> str:
+    """Tokens per second in a narrow cell: 3.38M, 86k, 950."""
+    if tokens_per_second >= 1e6:
+        return f"{tokens_per_second / 1e6:.2f}M"
+    if tokens_per_second >= 1e4:
+        return f"{tokens_per_second / 1e3:.0f}k"
+    return f"{tokens_per_second:,.0f}"
+
+
+def breakdown(plan, hardware, usable_memory: float):
+    """The winner's fullest rank, by what holds its memory, and the assumptions behind it."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False,
+                  title=f"memory of the winner's fullest rank ({usable_memory:.0%} of "
+                  f"{hardware.memory / 1e9:.0f} GB usable)")  # fmt: skip
+    rows = plan.footprint.rows() if plan.footprint else []
+    for name, _ in rows:
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_row(*(f"{value / 1e9:.1f} GB" for _, value in rows))
+    table.caption = (
+        f"Assumes {plan.training.describe()}; bf16 weights and gradients, fp32 Adam state; "
+        "pipeline stages outermost (across nodes beyond one node), TP and EP inside the "
+        "data-parallel group."
+    )
+    return table
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -83,6 +113,14 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar="F",
         help=f"share of each GPU's memory a plan may fill, 0 < F <= 1 (default: {USABLE_MEMORY})",
     )
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
+                        help="ZeRO stage over the data-parallel ranks (default: searched, 1 to 3)")  # fmt: skip
+    parser.add_argument("--recompute", choices=RECOMPUTE,
+                        help="activation recompute (default: searched, least first)")  # fmt: skip
+    parser.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                        help="matmul precision: bf16 (default) or fp8 on GPUs that have it")  # fmt: skip
+    parser.add_argument("--tp", type=whole(1, 64), metavar="T",
+                        help="tensor-parallel size inside a node (default: searched)")  # fmt: skip
     parser.add_argument("--top", type=positive_int, default=8, help="how many plans to print")
     parser.add_argument(
         "--verbose", action="store_true", help="also list the candidates left out, and why"
@@ -97,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     plans = recommend(
         model, hardware, args.devices, args.global_batch, memory, list(args.schedules), profile,
         step_boundary=args.step_boundary, usable_memory=args.usable_memory, rejected=rejected,
+        zero=args.zero, recompute=args.recompute, precision=args.precision, tp=args.tp,
     )  # fmt: skip
     measure = STEP_MEASURES[args.step_boundary]
     shown = plans[: args.top]
@@ -123,15 +162,16 @@ def run(args: argparse.Namespace) -> int:
         + (" (measured costs)" if profile else "")
         + f", ranked by {MEASURE_WORDS[measure]}",
     )
-    for column in ("layout", "schedule", "m", "tok/s", "step s", "bubble", "GB", "comm"):
-        left = column in ("layout", "schedule")
+    for column in ("layout", "schedule", "setting", "m", "tok/s", "step s", "bubble", "GB", "comm"):
+        left = column in ("layout", "schedule", "setting")
         table.add_column(column, justify="left" if left else "right", no_wrap=True)
     for plan in shown:
         table.add_row(
             plan.layout(),
             plan.schedule_label(),
+            plan.training.short(),
             str(plan.microbatches),
-            f"{plan.tokens_per_second:,.0f}",
+            rate(plan.tokens_per_second),
             f"{plan.step_time:.3f}",
             f"{plan.bubble:.1%}",
             f"{plan.peak_memory / 1e9:.1f}",
@@ -140,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     console.print(table)
     console.print(reason(plans, hardware))
+    console.print(breakdown(plans[0], hardware, args.usable_memory))
     if rejected and args.verbose:
         left_out = Table(
             box=box.SIMPLE_HEAD,

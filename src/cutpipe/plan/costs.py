@@ -106,20 +106,32 @@ class Training:
     @property
     def state_bytes_per_parameter(self) -> float:
         """Weights, gradients and Adam state per parameter, after ZeRO's sharding."""
+        return self.state_bytes_over(self.dp)
+
+    def state_bytes_over(self, ranks: int) -> float:
+        """Per parameter replicated on ``ranks`` data-parallel ranks (a routed expert is on
+        DP/EP of them): ZeRO shards over those."""
         weights, grads, optimizer = 2.0, 2.0, 12.0
         if self.zero >= 1:
-            optimizer /= self.dp
+            optimizer /= ranks
         if self.zero >= 2:
-            grads /= self.dp
+            grads /= ranks
         if self.zero >= 3:
-            weights /= self.dp
+            weights /= ranks
         return weights + grads + optimizer
+
+    def replicas(self, ep: int) -> int:
+        """The data-parallel ranks that hold the same routed experts."""
+        return max(1, self.dp // ep)
+
+    def short(self) -> str:
+        """A table cell: ``Z1 sel fp8`` (TP is part of the layout)."""
+        words = [f"Z{self.zero}", {"none": "", "selective": "sel", "full": "full"}[self.recompute]]
+        return " ".join(w for w in [*words, "fp8" if self.fp8 else ""] if w)
 
     def describe(self) -> str:
         parts = [f"ZeRO-{self.zero}" if self.zero else "no ZeRO", f"recompute {self.recompute}"]
         parts.append("FP8" if self.fp8 else "bf16")
-        if self.tp > 1:
-            parts.append(f"TP={self.tp}")
         return ", ".join(parts)
 
 
@@ -141,10 +153,14 @@ class ItemCost:
     ep_bytes: float = 0.0  # bytes one of those all-to-alls sends off the rank
     expert_parameters: float = 0.0  # of ``parameters``, the routed experts' (sharded by EP)
     bytes_per_parameter: float = STATE_BYTES_PER_PARAMETER  # training state (``Training``)
+    expert_bytes_per_parameter: float = STATE_BYTES_PER_PARAMETER  # ZeRO over DP/EP ranks
 
     @property
     def state_bytes(self) -> float:
-        return self.parameters * self.bytes_per_parameter
+        dense = self.parameters - self.expert_parameters
+        return dense * self.bytes_per_parameter + self.expert_parameters * (
+            self.expert_bytes_per_parameter
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -232,7 +248,11 @@ def layer_cost(
         forward += tp_time
         backward += tp_time
     if training.zero == 3 and training.dp > 1:  # every F and B gathers the layer's weights
-        gather = _collective(params * p, training.dp, *hardware.link(False))
+        network = hardware.link(False)
+        experts = routed / t
+        gather = _collective((params - experts) * p, training.dp, *network) + _collective(
+            experts * p, training.replicas(ep), *network
+        )
         forward += gather
         backward += gather
     weight = weights
@@ -248,6 +268,7 @@ def layer_cost(
         ep_bytes=2 * ep_bytes,
         expert_parameters=routed / t,
         bytes_per_parameter=training.state_bytes_per_parameter,
+        expert_bytes_per_parameter=training.state_bytes_over(training.replicas(ep)),
     )
 
 
@@ -336,10 +357,15 @@ def training_flops_per_token(model: ModelSpec) -> float:
     return 3 * 2 * (model.layers * attention + mlp + h * model.vocab)
 
 
-def optimizer_time(parameters: float, hardware: Hardware, training: Training = PLAIN) -> float:
-    """Seconds for one Adam step over ``parameters`` on a rank (ZeRO-1+ steps only its shard)."""
-    share = 1.0 / training.dp if training.zero >= 1 else 1.0
-    return parameters * share * OPTIMIZER_BYTES_PER_PARAMETER / hardware.memory_bandwidth
+def optimizer_time(
+    parameters: float, hardware: Hardware, training: Training = PLAIN, experts: float = 0.0,
+    ep: int = 1,
+) -> float:  # fmt: skip
+    """Seconds for one Adam step over a rank's ``parameters`` (of which ``experts`` are routed
+    experts, replicated on DP/EP ranks); ZeRO-1 and up step only the rank's shard."""
+    if training.zero >= 1:
+        parameters = (parameters - experts) / training.dp + experts / training.replicas(ep)
+    return parameters * OPTIMIZER_BYTES_PER_PARAMETER / hardware.memory_bandwidth
 
 
 def summarize(items: Sequence[ItemCost]) -> dict[str, float]:

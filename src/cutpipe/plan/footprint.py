@@ -39,15 +39,23 @@ class Footprint:
 
 
 def footprint(
-    parameters: float, activations: float, training: Training, buffers: float = 0.0
-) -> Footprint:
-    """The footprint of a rank storing ``parameters`` (all copies it holds) whose activations
-    peak at ``activations`` bytes."""
-    dp = training.dp
+    parameters: float, activations: float, training: Training, buffers: float = 0.0,
+    experts: float = 0.0, ep: int = 1,
+) -> Footprint:  # fmt: skip
+    """The footprint of a rank storing ``parameters`` (all copies it holds; ``experts`` of them
+    routed experts, which ZeRO shards over the DP/EP ranks that replicate them) whose
+    activations peak at ``activations`` bytes."""
+    dense = parameters - experts
+
+    def sharded(per_parameter: float, stage: int) -> float:
+        if training.zero < stage:
+            return per_parameter * parameters
+        return per_parameter * (dense / training.dp + experts / training.replicas(ep))
+
     return Footprint(
-        parameters=2 * parameters / (dp if training.zero >= 3 else 1),
-        gradients=2 * parameters / (dp if training.zero >= 2 else 1),
-        optimizer=12 * parameters / (dp if training.zero >= 1 else 1),
+        parameters=sharded(2, 3),
+        gradients=sharded(2, 2),
+        optimizer=sharded(12, 1),
         activations=activations,
         buffers=buffers,
     )

@@ -19,7 +19,7 @@ from cutpipe.plan.costs import ItemCost
 from cutpipe.plan.progress import progress
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
-from cutpipe.sim.memory import peak_activations
+from cutpipe.sim.memory import live_profile, peak_activations, peak_from_profile
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
 
@@ -137,16 +137,28 @@ def rank_balanced_sizes(
     by_chunk = chunked(schedule)
     scale = sum(work) or 1.0
 
+    prefix = [0.0, *accumulate(work)]
+    runs = [(stage, rank) for pipe in placement.pipes for stage, rank in enumerate(pipe)]
+    if capacity is not None:
+        live = live_profile(schedule, w_memory)
+        held = [0.0, *accumulate(item.activation for item in items)]
+        stored = [0.0, *accumulate(item.state_bytes for item in items)]
+
     def score(sizes: list[int]) -> tuple[float, tuple[float, ...], float, float]:
-        per_stage = [sum(work[a:b]) for a, b in pairwise([0, *accumulate(sizes)])]
+        bounds = [0, *accumulate(sizes)]
+        per_stage = [prefix[b] - prefix[a] for a, b in pairwise(bounds)]
         ranks = [0.0] * placement.num_ranks
-        for pipe in placement.pipes:
-            for stage, rank in enumerate(pipe):
-                ranks[rank] += per_stage[stage]
+        for stage, rank in runs:
+            ranks[rank] += per_stage[stage]
         over = 0.0
-        if capacity is not None:
-            costs = stage_costs(items, sizes, comm, w_memory)
-            memory = rank_memory(schedule, costs, stage_state_bytes(items, sizes))
+        if capacity is not None:  # rank_memory, arithmetically: the op order is fixed
+            activation = [held[b] - held[a] for a, b in pairwise(bounds)]
+            state = [stored[b] - stored[a] for a, b in pairwise(bounds)]
+            peaks = peak_from_profile(live, activation)
+            memory = [
+                peak + sum(state[s] for s in stages)
+                for peak, (stages, _) in zip(peaks, live, strict=True)
+            ]
             over = max(0.0, max(memory) - capacity)
         # the largest stage, then the next largest, ...: with several stages at the largest, a
         # move that shortens one of them is progress even though the largest stays (rounded, so

@@ -20,9 +20,17 @@ possibly a stage of its own), its memory checked, and its step simulated:
   ``2*(n-1)/n * bytes / bandwidth`` for a group of ``n``: dense parameters over the DP ranks,
   routed experts over the DP/EP ranks that share them, for every stage the rank stores
   (DualPipe's two copies both). The bubble reported is the same measure's.
-- memory per device = training state of the stages it stores (16 bytes per parameter; DualPipe
-  stores two stages) + its simulated peak activations, at most ``usable_memory`` (default 95 %)
-  of the GPU's memory
+- memory per device = training state of the stages it stores (16 bytes per parameter, less
+  what ZeRO shards; DualPipe stores two stages) + its simulated peak activations + its
+  communication buffers (``plan.footprint``), at most ``usable_memory`` (default 95 %) of the
+  GPU's memory; plus, in the step, the optimizer's pass over the rank's parameters
+
+For each layout and schedule the training settings are searched too (``Training``): tensor
+parallelism inside a node (TP dividing the heads), activation recompute (none, selective,
+full) and ZeRO over the data-parallel ranks (ZeRO-1, -2, -3 where DP > 1), in bf16 or FP8 as
+asked. Within one recompute level the first ZeRO stage that fits is kept (a higher one is never
+faster); a level that fits with ZeRO-1 or less ends the search (more recompute is never
+faster).
 - communication share = (pipeline transfers on the most loaded rank + exposed expert
   all-to-alls + the gradient all-reduce) / step time
 
@@ -38,10 +46,22 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
-from cutpipe.plan.costs import Hardware, ItemCost, model_items, p2p_time, w_memory
+from cutpipe.plan.costs import (
+    PLAIN,
+    RECOMPUTE,
+    Hardware,
+    ItemCost,
+    Training,
+    model_items,
+    optimizer_time,
+    p2p_time,
+    w_memory,
+)
+from cutpipe.plan.footprint import Footprint, buffer_bytes, footprint
+from cutpipe.plan.hardware import GPUS
 from cutpipe.plan.partition import (
     groups,
     rank_balanced_sizes,
@@ -94,9 +114,19 @@ class Plan:
     stage_sizes: list[int]
     #: what ``step_time`` and ``bubble`` measure: "makespan" (steps synchronised) or "span"
     step_measure: str = "makespan"
+    training: Training = PLAIN  # ZeRO, recompute, precision, TP
+    footprint: Footprint | None = None  # the fullest rank's memory by what holds it
+
+    @property
+    def tp(self) -> int:
+        return self.training.tp
 
     def layout(self) -> str:
-        return _layout(self.pp, self.dp, self.ep)
+        return _layout(self.pp, self.dp, self.ep, self.tp)
+
+    def shape(self) -> tuple[int, int, int, int]:
+        """(PP, DP, EP, TP): plans on the same devices in the same way."""
+        return self.pp, self.dp, self.ep, self.tp
 
     def schedule_label(self) -> str:
         """Short: the registry name with its chunks, or what a single rank does."""
@@ -122,16 +152,19 @@ class Rejected:
     schedule: str  # "" when the layout is refused for every schedule
     microbatches: int  # 0 where the global batch does not split into whole microbatches
     reason: str
+    tp: int = 1
+    excess: float = 0.0  # bytes over the usable memory, where that is the reason
+    training: Training = PLAIN  # the last setting tried
 
     def layout(self) -> str:
-        return _layout(self.pp, self.dp, self.ep)
+        return _layout(self.pp, self.dp, self.ep, self.tp)
 
     def schedule_label(self) -> str:
         return self.schedule or "every schedule"
 
 
-def _layout(pp: int, dp: int, ep: int) -> str:
-    return f"PP={pp} DP={dp}" + (f" EP={ep}" if ep > 1 else "")
+def _layout(pp: int, dp: int, ep: int, tp: int = 1) -> str:
+    return f"PP={pp} DP={dp}" + (f" EP={ep}" if ep > 1 else "") + (f" TP={tp}" if tp > 1 else "")
 
 
 def label(name: str) -> str:
@@ -177,76 +210,106 @@ def divisors(n: int) -> list[int]:
 
 
 def _items(
-    model: ModelSpec, hardware: Hardware, ep: int, profile: Profile | None
-) -> list[ItemCost]:
-    within = ep <= hardware.gpus_per_node
+    model: ModelSpec, hardware: Hardware, ep: int, profile: Profile | None,
+    training: Training = PLAIN,
+) -> list[ItemCost]:  # fmt: skip
+    within = ep * training.tp <= hardware.gpus_per_node
     if profile is None:
-        return model_items(model, hardware, ep, ep_within_node=within)
-    return profile.items_for(hardware, ep, ep_within_node=within)
+        return model_items(model, hardware, ep, ep_within_node=within, training=training)
+    state = training.state_bytes_per_parameter  # measured compute; ZeRO still shards the state
+    experts = training.state_bytes_over(training.replicas(ep))
+    return [
+        replace(item, bytes_per_parameter=state, expert_bytes_per_parameter=experts)
+        for item in profile.items_for(hardware, ep, ep_within_node=within)
+    ]
 
 
 def evaluate(
     model: ModelSpec, hardware: Hardware, devices: int, pp: int, ep: int, name: str, microbatches: int,
     capacity: float, profile: Profile | None = None, step_boundary: str = "sync",
+    training: Training = PLAIN, rebalance: bool = True, cache: dict | None = None,
 ) -> Plan | Rejected:  # fmt: skip
     """Simulate one candidate; a ``Rejected`` with the reason where it cannot run or fit.
 
     ``capacity`` is the usable bytes per device; ``step_boundary`` picks the step measure
-    (``STEP_MEASURES``)."""
-    dp = devices // pp
+    (``STEP_MEASURES``); ``training`` the ZeRO stage (over its ``dp``), recompute, precision and
+    TP (``devices = PP x DP x TP``). ``rebalance``: whether a split within ``NEAR_MISS`` of the
+    memory gets a memory-aware one; ``cache`` keeps compute-balanced splits between calls."""
+    dp = devices // (pp * training.tp)
     info = schedule_info(name)
-    items = _items(model, hardware, ep, profile)
+    items = _items(model, hardware, ep, profile, training)
+    buffers = buffer_bytes(model, training, pp, ep)
 
-    def rejected(reason: str) -> Rejected:
-        return Rejected(pp, dp, ep, name, microbatches, reason)
+    def rejected(reason: str, excess: float = 0.0) -> Rejected:
+        return Rejected(pp, dp, ep, name, microbatches, reason, training.tp, excess, training)
 
     stages = pp * info.stages_per_rank
     if stages > len(items):
         return rejected(too_few_items(stages, pp, len(items)))
     schedule = info.generate(pp, microbatches)
-    comm = p2p_time(model, hardware, within_node=devices <= hardware.gpus_per_node)
+    comm = p2p_time(model, hardware, devices <= hardware.gpus_per_node, training)
     kept = profile.w_memory if profile else w_memory(model)
 
     def weigh(sizes: list[int]) -> tuple[Costs, list[float]]:
         costs = stage_costs(items, sizes, comm, kept)
-        return costs, rank_memory(schedule, costs, stage_state_bytes(items, sizes))
+        state = stage_state_bytes(items, sizes)
+        return costs, [m + buffers for m in rank_memory(schedule, costs, state)]
 
-    sizes = rank_balanced_sizes(items, schedule)
+    work = (info.spec, pp, tuple(item.forward + item.backward + item.weight for item in items))
+    if cache is not None and work in cache:
+        sizes = cache[work]
+    else:
+        sizes = rank_balanced_sizes(items, schedule)
+        if cache is not None:
+            cache[work] = sizes
     costs, memory = weigh(sizes)
     if max(memory) > capacity:
-        if max(memory) > NEAR_MISS * capacity:
-            return rejected(over_memory(memory, capacity))
+        if not rebalance or max(memory) > NEAR_MISS * capacity:
+            return rejected(over_memory(memory, capacity), max(memory) - capacity)
         # move layers off the fullest ranks; on a short step (4 microbatches per rank),
         # which peaks as high as a long one but is quicker to weigh
         short = info.generate(pp, min(microbatches, max(4 * pp, info.min_microbatches(pp))))
-        sizes = rank_balanced_sizes(items, short, capacity, comm, kept)
+        sizes = rank_balanced_sizes(items, short, capacity - buffers, comm, kept)
         costs, memory = weigh(sizes)
         if max(memory) > capacity:
-            return rejected(over_memory(memory, capacity))
+            return rejected(over_memory(memory, capacity), max(memory) - capacity)
     result = metrics(simulate(schedule, costs), costs)
     bandwidth, latency = hardware.link(within_node=devices <= hardware.gpus_per_node)
     parts = groups(items, sizes)
     experts = [sum(i.expert_parameters for i in part) for part in parts]
     dense = [sum(i.parameters for i in part) - e for part, e in zip(parts, experts, strict=True)]
 
+    # ZeRO-1/2 reduce-scatter the gradients and all-gather the weights: an all-reduce's volume;
+    # ZeRO-3 gathers its weights in every pass instead, and only reduce-scatters here
+    share = 0.5 if training.zero == 3 else 1.0
+
     def allreduce_on(rank: int) -> float:  # every stage the rank stores, DualPipe's copies too
         held = schedule.placement.stages_of(rank)
         grad = model.element_bytes
-        return ring_allreduce(sum(dense[s] for s in held) * grad, dp, bandwidth, latency) + (
-            ring_allreduce(sum(experts[s] for s in held) * grad, dp // ep, bandwidth, latency)
+        return share * (
+            ring_allreduce(sum(dense[s] for s in held) * grad, dp, bandwidth, latency)
+            + ring_allreduce(sum(experts[s] for s in held) * grad, dp // ep, bandwidth, latency)
         )
 
+    def optimizer_on(rank: int) -> float:
+        held = schedule.placement.stages_of(rank)
+        routed = sum(experts[s] for s in held)
+        total = sum(dense[s] for s in held) + routed
+        return optimizer_time(total, hardware, training, routed, ep)
+
     allreduces = [allreduce_on(rank) for rank in range(pp)]
+    tails = [a + optimizer_on(rank) for rank, a in enumerate(allreduces)]
     measure = STEP_MEASURES[step_boundary]
-    if measure == "makespan":  # every rank waits for the slowest all-reduce
-        allreduce = max(allreduces)
-        step = result.makespan + allreduce
+    if measure == "makespan":  # every rank waits for the slowest all-reduce and optimizer step
+        critical = max(range(pp), key=tails.__getitem__)
+        step = result.makespan + tails[critical]
         bubble = result.bubble_ratio
-    else:  # each rank steps after its own span and its own all-reduce; the longest sets the pace
-        ends = [span + a for span, a in zip(result.span_per_rank, allreduces, strict=True)]
+    else:  # each rank steps after its own span, all-reduce and optimizer; the longest sets the pace
+        ends = [span + tail for span, tail in zip(result.span_per_rank, tails, strict=True)]
         critical = max(range(pp), key=ends.__getitem__)
-        allreduce, step = allreduces[critical], ends[critical]
+        step = ends[critical]
         bubble = result.bubble_ratio_span
+    allreduce = allreduces[critical]
     busiest = max(range(pp), key=lambda r: result.busy_per_rank[r])
     sends = result.p2p_sends / pp
     exposed_ep = (
@@ -261,8 +324,133 @@ def evaluate(
     comm_time = sends * (comm - latency) + exposed_ep + allreduce
     tokens = model.tokens * microbatches * dp
     bubble = max(0.0, bubble)  # not -1e-15
+    fullest = max(range(pp), key=memory.__getitem__)
+    stored = schedule.placement.stages_of(fullest)
+    routed = sum(experts[s] for s in stored)
+    held = sum(dense[s] for s in stored) + routed
+    state = sum(stage_state_bytes(items, sizes)[s] for s in stored)
+    where = footprint(held, memory[fullest] - state - buffers, training, buffers, routed, ep)
     return Plan(pp, dp, ep, name, microbatches, step, tokens / step, bubble, max(memory),
-                min(1.0, comm_time / step), sizes, measure)  # fmt: skip
+                min(1.0, comm_time / step), sizes, measure, training, where)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Search:
+    """Which training settings ``recommend`` tries: fixed where the caller fixed them."""
+
+    zero: int | None
+    recompute: str | None
+    fp8: bool
+    tp: int | None
+    measured: bool  # a profile fixes compute and activations: no recompute or TP to model
+
+    @classmethod
+    def checked(
+        cls, zero: int | None, recompute: str | None, precision: str, tp: int | None,
+        hardware: Hardware, model: ModelSpec, profile: Profile | None,
+    ) -> Search:  # fmt: skip
+        if zero is not None and zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+        if recompute is not None and recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+        if precision not in ("bf16", "fp8"):
+            raise ValueError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
+        if precision == "fp8" and not hardware.fp8_flops:
+            raise ValueError(f"{hardware.name} has no FP8 tensor cores: use --precision bf16")
+        if tp is not None:
+            count(tp, "tp")
+            if tp > hardware.gpus_per_node or model.heads % tp:
+                raise ValueError(
+                    f"tp must divide the {model.heads} heads and stay inside a node of "
+                    f"{hardware.gpus_per_node} GPUs, got {tp}"
+                )
+        measured = profile is not None
+        if measured and (precision == "fp8" or (tp or 1) > 1 or recompute not in (None, "none")):
+            raise ValueError(
+                "a profile measures compute and activations as they ran: recompute, FP8 and TP "
+                "are not modelled on top of it (profile the setting instead)"
+            )
+        return cls(zero, recompute, precision == "fp8", tp, measured)
+
+    def shapes(self, devices: int, model: ModelSpec, hardware: Hardware) -> list[tuple[int, int]]:
+        """(PP, TP) pairs to try: TP inside a node, dividing the heads and key/value heads."""
+        kv = model.kv_heads or model.heads
+        if self.tp is not None:
+            tps = [self.tp]
+        elif self.measured:
+            tps = [1]
+        else:
+            tps = [
+                t for t in divisors(hardware.gpus_per_node) if model.heads % t == 0 and kv % t == 0
+            ]
+        return [(pp, tp) for tp in tps for pp in divisors(devices) if (devices // pp) % tp == 0]
+
+    def settings(self, dp: int, tp: int) -> list[list[Training]]:
+        """Groups by recompute level (least first), each by ZeRO stage (least first)."""
+        if self.recompute is not None:
+            levels = [self.recompute]
+        else:
+            levels = ["none"] if self.measured else list(RECOMPUTE)
+        unsharded = [0] if dp == 1 else [1, 2, 3]  # nothing to shard over one rank
+        zeros = [self.zero] if self.zero is not None else unsharded
+        return [[Training(z, dp, r, self.fp8, tp) for z in zeros] for r in levels]
+
+
+def best_setting(
+    groups: Sequence[Sequence[Training]], attempt: Callable[[Training, bool], Plan | Rejected]
+) -> Plan | Rejected:
+    """The fastest plan over the settings (see the module), or the refusal that came closest.
+
+    Within a group the settings are first weighed on the compute-balanced split; only when none
+    fits does the closest get a memory-aware split (``attempt(training, True)``)."""
+    best: Plan | None = None
+    closest: Rejected | None = None
+
+    def nearer(outcome: Rejected) -> bool:
+        return closest is None or (0 < outcome.excess < closest.excess) or not closest.excess
+
+    for group in groups:
+        found, near = None, None
+        for training in group:
+            outcome = attempt(training, False)
+            if isinstance(outcome, Plan):
+                found = outcome
+                break
+            if near is None or 0 < outcome.excess < near.excess:
+                near = outcome
+        if found is None and near is not None and near.excess > 0:
+            outcome = attempt(near.training, True)
+            found = outcome if isinstance(outcome, Plan) else None
+            near = near if found else outcome
+        if found is not None and (best is None or found.tokens_per_second > best.tokens_per_second):
+            best = found
+        if found is None and near is not None and nearer(near):
+            closest = near
+        if best is not None and best.training.zero <= 1:
+            break
+    return best if best is not None else closest
+
+
+def does_not_fit(
+    model: ModelSpec, hardware: Hardware, devices: int, closest: Rejected, capacity: float,
+    usable_memory: float,
+) -> str:  # fmt: skip
+    """Nothing fits: the plan that came closest, by how much, and the cheapest change."""
+    need = capacity + closest.excess
+    gpu_memory = need / usable_memory
+    bigger = sorted((g.memory, g.name) for g in GPUS.values() if g.memory * usable_memory >= need)
+    suggestion = f"a GPU with at least {gpu_memory / 1e9:.0f} GB" + (
+        f" (e.g. {bigger[0][1]}, {bigger[0][0] / 1e9:.0f} GB)" if bigger else ""
+    )
+    state = sum(item.parameters for item in model_items(model, hardware)) * 16
+    floor = math.ceil(state / capacity)
+    return (
+        f"{model.name} does not fit on {devices} x {hardware.name}: the closest plan, "
+        f"{closest.schedule_label()} on {closest.layout()} with {closest.training.describe()}, "
+        f"{closest.reason}. Cheapest changes: {suggestion}; or more devices (its training "
+        f"state alone, {state / 1e12:.2f} TB, needs at least {floor} of these even fully "
+        "sharded); or shorter sequences"
+    )
 
 
 def too_few_items(stages: int, pp: int, items: int) -> str:
@@ -303,20 +491,27 @@ def recommend(
     step_boundary: str = "sync",
     usable_memory: float = USABLE_MEMORY,
     rejected: list[Rejected] | None = None,
+    zero: int | None = None,
+    recompute: str | None = None,
+    precision: str = "bf16",
+    tp: int | None = None,
 ) -> list[Plan]:
     """Every fitting plan, fastest first. ``global_batch`` counts sequences (default 8 per
     device); ``memory`` is bytes per device (default the GPU's), of which ``usable_memory``
     (0 < F <= 1) may be filled; ``profile``: measured costs (``cutpipe profile``) instead of the
     analytic model. ``step_boundary``: "sync" ranks by makespan + all-reduce, "overlap" by span
     + all-reduce (see the module's docstring). Every candidate not kept is appended to
-    ``rejected``, when given, as a ``Rejected`` with its reason."""
+    ``rejected``, when given, as a ``Rejected`` with its reason. ``zero`` (0-3), ``recompute``
+    (none, selective, full) and ``tp`` fix a training setting that is otherwise searched;
+    ``precision`` is "bf16" or "fp8" (on a GPU with FP8)."""
     check_inputs(model, hardware, devices, global_batch, memory, schedules, profile)
     check_options(step_boundary, usable_memory, rejected)
+    search = Search.checked(zero, recompute, precision, tp, hardware, model, profile)
     dropped: list[Rejected] = []
     try:
         return _recommend(
             model, hardware, devices, global_batch, memory, schedules, profile, step_boundary,
-            usable_memory, dropped,
+            usable_memory, dropped, search,
         )  # fmt: skip
     finally:  # the reasons are there for the caller even when nothing fits
         if rejected is not None:
@@ -326,22 +521,22 @@ def recommend(
 def _recommend(
     model: ModelSpec, hardware: Hardware, devices: int, global_batch: int | None,
     memory: float | None, schedules: Sequence[str], profile: Profile | None, step_boundary: str,
-    usable_memory: float, dropped: list[Rejected],
+    usable_memory: float, dropped: list[Rejected], search: Search,
 ) -> list[Plan]:  # fmt: skip
     batch = 8 * devices if global_batch is None else global_batch
     capacity = (hardware.memory if memory is None else memory) * usable_memory
     names = expand(schedules)
     items = len(_items(model, hardware, 1, profile))
     layouts = []
-    for pp in divisors(devices):
-        dp = devices // pp
+    for pp, tp in search.shapes(devices, model, hardware):
+        dp = devices // (pp * tp)
         size = model.microbatch_size
         if batch % dp or (batch // dp) % size:
             shares = f"DP={dp} equal shares" + (
                 f" of whole microbatches of {size} sequences" if size > 1 else ""
             )
             reason = f"global batch {batch} does not split into {shares}"
-            dropped.append(Rejected(pp, dp, 1, "", 0, reason))
+            dropped.append(Rejected(pp, dp, 1, "", 0, reason, tp))
             continue
         m = batch // dp // size
         eps = [e for e in divisors(dp) if model.experts % e == 0] if model.moe else [1]
@@ -351,17 +546,18 @@ def _recommend(
                 info = schedule_info(name)
                 stages = pp * info.stages_per_rank
                 if stages > items:
-                    dropped.append(Rejected(pp, dp, ep, name, m, too_few_items(stages, pp, items)))
+                    reason = too_few_items(stages, pp, items)
+                    dropped.append(Rejected(pp, dp, ep, name, m, reason, tp))
                     continue
                 check_size(name, pp, m, batch)
                 if not info.accepts(pp, m):
                     reason = (
                         f"{title(name)} runs on {info.valid}, not PP={pp} with {m} microbatches"
                     )
-                    dropped.append(Rejected(pp, dp, ep, name, m, reason))
+                    dropped.append(Rejected(pp, dp, ep, name, m, reason, tp))
                     continue
-                layouts.append((pp, ep, name, m))
-    simulated = sum(schedule_info(name).ops_bound(pp, m) for pp, _, name, m in layouts)
+                layouts.append((pp, tp, ep, name, m))
+    simulated = sum(schedule_info(name).ops_bound(pp, m) for pp, _, _, name, m in layouts)
     if simulated > MAX_SIMULATED_OPS:
         raise ValueError(
             f"recommend would simulate {len(layouts)} layouts of about {simulated:,} ops in all, "
@@ -382,36 +578,29 @@ def _recommend(
             "another device count or another global batch"
         )
     plans = []
+    cache: dict = {}
     with progress("simulating layouts", total=len(layouts)) as tick:
-        for pp, ep, name, m in layouts:
-            plan = evaluate(
-                model, hardware, devices, pp, ep, name, m, capacity, profile, step_boundary
-            )
-            if isinstance(plan, Plan):
-                plans.append(plan)
+        for pp, tp, ep, name, m in layouts:
+            dp = devices // (pp * tp)
+            outcome = best_setting(
+                search.settings(dp, tp),
+                lambda training, rebalance, pp=pp, ep=ep, name=name, m=m: evaluate(
+                    model, hardware, devices, pp, ep, name, m, capacity, profile, step_boundary,
+                    training, rebalance, cache,
+                ),
+            )  # fmt: skip
+            if isinstance(outcome, Plan):
+                plans.append(outcome)
             else:
-                dropped.append(plan)
+                dropped.append(outcome)
             tick(status=f"{len(plans)} fit")
     if not plans:
-        smallest = _smallest_need(model, hardware, devices, profile)
-        usable = (
-            f"{capacity / 1e9:.1f} GB usable ({usable_memory:.0%} of "
-            f"{capacity / usable_memory / 1e9:.1f} GB)"
-        )
-        if smallest <= capacity:
+        closest = min((r for r in dropped if r.excess > 0), key=lambda r: r.excess, default=None)
+        if closest is not None:
             raise ValueError(
-                f"{model.name} does not fit on {devices} x {hardware.name}: the training state "
-                f"fits ({smallest / 1e9:.1f} GB per device "
-                f"of {usable} at the deepest pipeline) but not with the "
-                "activations of any schedule; use more devices, GPUs with more memory, expert "
-                "parallelism or shorter sequences"
+                does_not_fit(model, hardware, devices, closest, capacity, usable_memory)
             )
-        raise ValueError(
-            f"{model.name} does not fit on {devices} x {hardware.name} even at the largest pipeline: "
-            f"its training state alone needs {smallest / 1e9:.1f} GB per device against "
-            f"{usable}, {(smallest - capacity) / 1e9:.1f} GB over; use more "
-            "devices, GPUs with more memory, or expert parallelism"
-        )
+        raise ValueError(f"no layout of {model.name} on {devices} x {hardware.name} runs")
     return sorted(plans, key=lambda p: -p.tokens_per_second)
 
 
@@ -469,18 +658,6 @@ def check_size(name: str, pp: int, microbatches: int, batch: int) -> None:
         )
 
 
-def _smallest_need(
-    model: ModelSpec, hardware: Hardware, devices: int, profile: Profile | None
-) -> float:
-    """Training-state bytes per device at the deepest pipeline and widest expert parallelism."""
-    pp = max(d for d in divisors(devices) if d <= model.layers + 2)
-    ep = max(
-        (e for e in divisors(devices // pp) if not model.moe or model.experts % e == 0), default=1
-    )
-    items = _items(model, hardware, ep if model.moe else 1, profile)
-    return sum(i.state_bytes for i in items) / pp
-
-
 def reason(plans: Sequence[Plan], hardware: Hardware) -> str:
     """A paragraph on why the fastest plan wins, from the numbers of the others."""
     best = plans[0]
@@ -491,7 +668,7 @@ def reason(plans: Sequence[Plan], hardware: Hardware) -> str:
         f"with a {best.bubble:.1%} bubble and {best.comm_share:.0%} of it in communication, "
         f"{best.peak_memory / 1e9:.1f} GB on the fullest {hardware.name}."
     )
-    same_layout = [p for p in plans[1:] if (p.pp, p.dp, p.ep) == (best.pp, best.dp, best.ep)]
+    same_layout = [p for p in plans[1:] if p.shape() == best.shape()]
     if same_layout:
         other = same_layout[0]
         text += (
@@ -499,9 +676,7 @@ def reason(plans: Sequence[Plan], hardware: Hardware) -> str:
             f"{1 - other.tokens_per_second / best.tokens_per_second:.1%} slower (bubble {other.bubble:.1%}, "
             f"{other.peak_memory / 1e9:.1f} GB)."
         )
-    other_layout = next(
-        (p for p in plans[1:] if (p.pp, p.dp, p.ep) != (best.pp, best.dp, best.ep)), None
-    )
+    other_layout = next((p for p in plans[1:] if p.shape() != best.shape()), None)
     if other_layout is not None:
         text += (
             f" The best other layout, {other_layout.layout()} with {other_layout.schedule_title()}, "

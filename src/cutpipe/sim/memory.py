@@ -65,3 +65,53 @@ def peak_activations(schedule: Schedule, costs: Costs) -> list[float]:
         else:
             peaks.append(max(high for high, _ in _trace(schedule, ops, change)))
     return peaks
+
+
+#: Per rank: its stages, and the Pareto-maximal vectors of live activation counts per stage.
+LiveProfile = list[tuple[tuple[int, ...], list[tuple[float, ...]]]]
+
+
+def live_profile(schedule: Schedule, w_memory: float) -> LiveProfile:
+    """Per rank, how its live memory combines its stages' activations at its possible peaks.
+
+    Live memory after any op is ``sum(count[i] * activation[stage[i]])``, the counts set by the
+    op order alone (an F adds 1, a B takes ``1 - w_memory``, a W ``w_memory``). So one pass
+    finds the count vectors, and the peak for any per-stage activations is the largest dot
+    product over the vectors no other vector exceeds everywhere: what a balancer that tries
+    thousands of splits of one schedule needs (``peak_from_profile``)."""
+    delta = {0: 1.0, 1: -(1 - w_memory), 2: -w_memory, 3: -1.0}  # F, B, W, BW by kind code
+    profile: LiveProfile = []
+    for rank, ops in enumerate(schedule.codes):
+        stages = tuple(sorted(schedule.placement.stages_of(rank)))
+        points = _live_counts(schedule, ops, stages, delta)
+        frontier: list[tuple[float, ...]] = []
+        for point in sorted(points, reverse=True):
+            if not any(all(f >= p for f, p in zip(kept, point, strict=True)) for kept in frontier):
+                frontier.append(point)
+        profile.append((stages, frontier))
+    return profile
+
+
+def _live_counts(
+    schedule: Schedule, ops: list[int], stages: tuple[int, ...], delta: dict[int, float]
+) -> set[tuple[float, ...]]:
+    """The vectors of live activation counts per stage after each op of one rank."""
+    S = schedule.num_stages
+    index = {stage: i for i, stage in enumerate(stages)}
+    count = [0.0] * len(stages)
+    points: set[tuple[float, ...]] = set()
+    for code in ops:
+        # an overlapped pair allocates its F before its backward frees
+        for single in schedule.codec.split_pair(code) if code < 0 else (code,):
+            count[index[(single >> KIND_BITS) % S]] += delta[single & KIND_MASK]
+            points.add(tuple(round(c, 9) for c in count))
+    return points
+
+
+def peak_from_profile(profile: LiveProfile, activation: list[float]) -> list[float]:
+    """``peak_activations`` for per-stage ``activation`` bytes, from ``live_profile``."""
+    return [
+        max(0.0, *(sum(c * activation[s] for c, s in zip(point, stages, strict=True))
+                   for point in frontier))
+        for stages, frontier in profile
+    ]  # fmt: skip
