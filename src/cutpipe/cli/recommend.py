@@ -46,6 +46,10 @@ def fraction(text: str) -> float:
     return value
 
 
+#: Plans simulated in full beyond --top, for the paragraph on why the winner wins.
+KEEP = 12
+
+
 def rate(tokens_per_second: float) -> str:
     """Tokens per second in a narrow cell: 3.38M, 86k, 950."""
     if tokens_per_second >= 1e6:
@@ -136,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         model, hardware, args.devices, args.global_batch, memory, list(args.schedules), profile,
         step_boundary=args.step_boundary, usable_memory=args.usable_memory, rejected=rejected,
         zero=args.zero, recompute=args.recompute, precision=args.precision, tp=args.tp,
+        keep=max(args.top, KEEP),
     )  # fmt: skip
     measure = STEP_MEASURES[args.step_boundary]
     shown = plans[: args.top]
@@ -163,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
         + f", ranked by {MEASURE_WORDS[measure]}",
     )
     for column in ("layout", "schedule", "setting", "m", "tok/s", "step s", "bubble", "GB", "comm"):
-        left = column in ("layout", "schedule", "setting")
-        table.add_column(column, justify="left" if left else "right", no_wrap=True)
+        left = column in ("layout", "schedule", "setting")  # these wrap, the numbers do not
+        table.add_column(column, justify="left" if left else "right", no_wrap=not left)
     for plan in shown:
         table.add_row(
             plan.layout(),

@@ -11,7 +11,7 @@ embedding and the head make those stages heavy.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise, permutations
 
@@ -144,22 +144,23 @@ def rank_balanced_sizes(
         held = [0.0, *accumulate(item.activation for item in items)]
         stored = [0.0, *accumulate(item.state_bytes for item in items)]
 
+    def memory_of(sizes: list[int]) -> list[float]:  # rank_memory, arithmetically
+        bounds = [0, *accumulate(sizes)]
+        activation = [held[b] - held[a] for a, b in pairwise(bounds)]
+        state = [stored[b] - stored[a] for a, b in pairwise(bounds)]
+        peaks = peak_from_profile(live, activation)
+        return [
+            peak + sum(state[s] for s in stages)
+            for peak, (stages, _) in zip(peaks, live, strict=True)
+        ]
+
     def score(sizes: list[int]) -> tuple[float, tuple[float, ...], float, float]:
         bounds = [0, *accumulate(sizes)]
         per_stage = [prefix[b] - prefix[a] for a, b in pairwise(bounds)]
         ranks = [0.0] * placement.num_ranks
         for stage, rank in runs:
             ranks[rank] += per_stage[stage]
-        over = 0.0
-        if capacity is not None:  # rank_memory, arithmetically: the op order is fixed
-            activation = [held[b] - held[a] for a, b in pairwise(bounds)]
-            state = [stored[b] - stored[a] for a, b in pairwise(bounds)]
-            peaks = peak_from_profile(live, activation)
-            memory = [
-                peak + sum(state[s] for s in stages)
-                for peak, (stages, _) in zip(peaks, live, strict=True)
-            ]
-            over = max(0.0, max(memory) - capacity)
+        over = 0.0 if capacity is None else max(0.0, max(memory_of(sizes)) - capacity)
         # the largest stage, then the next largest, ...: with several stages at the largest, a
         # move that shortens one of them is progress even though the largest stays (rounded, so
         # that sums of the same work in another order tie)
@@ -171,6 +172,10 @@ def rank_balanced_sizes(
         return over, stage_order, max(ranks), sum(x * x for x in ranks)
 
     sizes = compute_balanced_sizes(items, stages)
+    if capacity is not None:  # first under the cap, moving only the fullest rank's items
+        sizes = relieve(sizes, memory_of, capacity, [stages for stages, _ in live])
+        if max(memory_of(sizes)) > capacity:
+            return sizes  # no split fits: the caller says by how much
     best = score(sizes)
     improved = True
     while improved:  # first improvement, scanning on from it (cheaper than steepest descent)
@@ -183,6 +188,33 @@ def rank_balanced_sizes(
                 value = score(trial)
                 if value < best:
                     sizes, best, improved = trial, value, True
+    return sizes
+
+
+def relieve(
+    sizes: list[int], memory_of: Callable[[list[int]], list[float]], capacity: float,
+    held: Sequence[Sequence[int]],
+) -> list[int]:  # fmt: skip
+    """Steepest descent on the fullest rank's memory, each move giving one of that rank's
+    stages' items to another stage, until it fits under ``capacity`` or no move helps."""
+    memory = memory_of(sizes)
+    while max(memory) > capacity:
+        fullest = max(range(len(memory)), key=memory.__getitem__)
+        best, best_peak = None, max(memory)
+        for giver in held[fullest]:
+            if sizes[giver] < 2:
+                continue
+            for taker in range(len(sizes)):
+                if taker != giver:
+                    trial = list(sizes)
+                    trial[giver] -= 1
+                    trial[taker] += 1
+                    peak = max(memory_of(trial))
+                    if peak < best_peak:
+                        best, best_peak = trial, peak
+        if best is None:
+            break
+        sizes, memory = best, memory_of(best)
     return sizes
 
 

@@ -44,6 +44,7 @@ expert all-to-alls use NVLink when the EP group fits in one node.
 
 from __future__ import annotations
 
+import heapq
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -75,7 +76,7 @@ from cutpipe.records import count
 from cutpipe.schedule.limits import MAX_OPS
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.sim.costs import Costs
-from cutpipe.sim.metrics import metrics
+from cutpipe.sim.metrics import extrapolate, metrics
 from cutpipe.sim.simulate import simulate
 from cutpipe.spec import ModelSpec
 
@@ -237,7 +238,12 @@ def evaluate(
     memory gets a memory-aware one; ``cache`` keeps compute-balanced splits between calls."""
     dp = devices // (pp * training.tp)
     info = schedule_info(name)
-    items = _items(model, hardware, ep, profile, training)
+    key = ("items", ep, training)
+    if cache is None or key not in cache:
+        items = _items(model, hardware, ep, profile, training)
+        if cache is not None:
+            cache[key] = items
+    items = cache[key] if cache is not None else items
     buffers = buffer_bytes(model, training, pp, ep)
 
     def rejected(reason: str, excess: float = 0.0) -> Rejected:
@@ -246,7 +252,17 @@ def evaluate(
     stages = pp * info.stages_per_rank
     if stages > len(items):
         return rejected(too_few_items(stages, pp, len(items)))
-    schedule = info.generate(pp, microbatches)
+    short_m, long_m = simulated_counts(info, pp, microbatches)
+    schedule = _generated(info, pp, short_m, cache)  # peaks as high as the whole step
+    # the training state alone, however split: the average rank's share of every copy
+    floor = sum(item.state_bytes for item in items) * len(schedule.placement.pipes) / pp
+    if floor + buffers > capacity:
+        need = floor + buffers
+        reason = (
+            f"needs at least {need / 1e9:.1f} GB per rank for the training state alone, "
+            f"{capacity / 1e9:.1f} GB usable ({(need - capacity) / 1e9:.1f} GB over)"
+        )
+        return rejected(reason, need - capacity)
     comm = p2p_time(model, hardware, devices <= hardware.gpus_per_node, training)
     kept = profile.w_memory if profile else w_memory(model)
 
@@ -266,14 +282,15 @@ def evaluate(
     if max(memory) > capacity:
         if not rebalance or max(memory) > NEAR_MISS * capacity:
             return rejected(over_memory(memory, capacity), max(memory) - capacity)
-        # move layers off the fullest ranks; on a short step (4 microbatches per rank),
-        # which peaks as high as a long one but is quicker to weigh
-        short = info.generate(pp, min(microbatches, max(4 * pp, info.min_microbatches(pp))))
-        sizes = rank_balanced_sizes(items, short, capacity - buffers, comm, kept)
+        # move layers off the fullest ranks
+        sizes = rank_balanced_sizes(items, schedule, capacity - buffers, comm, kept)
         costs, memory = weigh(sizes)
         if max(memory) > capacity:
             return rejected(over_memory(memory, capacity), max(memory) - capacity)
     result = metrics(simulate(schedule, costs), costs)
+    if long_m is not None:
+        longer = metrics(simulate(_generated(info, pp, long_m, cache), costs), costs)
+        result = extrapolate(result, longer, microbatches)
     bandwidth, latency = hardware.link(within_node=devices <= hardware.gpus_per_node)
     parts = groups(items, sizes)
     experts = [sum(i.expert_parameters for i in part) for part in parts]
@@ -385,13 +402,16 @@ class Search:
             ]
         return [(pp, tp) for tp in tps for pp in divisors(devices) if (devices // pp) % tp == 0]
 
-    def settings(self, dp: int, tp: int) -> list[list[Training]]:
-        """Groups by recompute level (least first), each by ZeRO stage (least first)."""
+    def settings(self, dp: int, tp: int, pp: int = 1) -> list[list[Training]]:
+        """Groups by recompute level (least first), each by ZeRO stage (least first). Under a
+        pipeline only ZeRO-1 is searched: ZeRO-2 and -3 shard gradients that a pipeline
+        accumulates over its microbatches (DeepSpeed refuses the combination), and ZeRO-3's
+        per-pass weight gathers would repeat for every microbatch; ask for them explicitly."""
         if self.recompute is not None:
             levels = [self.recompute]
         else:
             levels = ["none"] if self.measured else list(RECOMPUTE)
-        unsharded = [0] if dp == 1 else [1, 2, 3]  # nothing to shard over one rank
+        unsharded = [0] if dp == 1 else [1] if pp > 1 else [1, 2, 3]  # nothing over one rank
         zeros = [self.zero] if self.zero is not None else unsharded
         return [[Training(z, dp, r, self.fp8, tp) for z in zeros] for r in levels]
 
@@ -453,6 +473,51 @@ def does_not_fit(
     )
 
 
+#: ``evaluate`` simulates at most this many microbatches per rank and extrapolates beyond.
+SIMULATED_PER_RANK = 4
+
+
+def simulated_counts(info, pp: int, microbatches: int) -> tuple[int, int | None]:
+    """The microbatch counts ``evaluate`` simulates: the step itself when it is short, else a
+    short step and one a period longer, whose difference ``extrapolate`` carries to the whole
+    (each the least count at least that long that the schedule accepts)."""
+
+    def accepted(least: int) -> int:
+        return next(k for k in range(least, least + 4 * pp + 8) if info.accepts(pp, k))
+
+    short = accepted(max(SIMULATED_PER_RANK * pp, info.min_microbatches(pp)))
+    if microbatches <= 2 * short:
+        return microbatches, None
+    return short, accepted(2 * short)
+
+
+def _generated(info, pp: int, microbatches: int, cache: dict | None):
+    """``info.generate(pp, microbatches)``, once per ``cache``."""
+    key = ("schedule", info.spec, pp, microbatches)
+    if cache is None:
+        return info.generate(pp, microbatches)
+    if key not in cache:
+        cache[key] = info.generate(pp, microbatches)
+    return cache[key]
+
+
+def throughput_bound(
+    model: ModelSpec, hardware: Hardware, devices: int, layout: tuple, profile: Profile | None,
+    search: Search, cache: dict,
+) -> float:  # fmt: skip
+    """Tokens/s no setting of ``layout`` can beat: every rank busy all the time with its share
+    of the least work (no recompute, no ZeRO-3 gathers), nothing else in the step."""
+    pp, tp, ep, _, m = layout
+    dp = devices // (pp * tp)
+    key = ("least work", ep, tp)
+    if key not in cache:
+        least = Training(0, dp, "none", search.fp8, tp)
+        items = _items(model, hardware, ep, profile, least)
+        cache[key] = sum(item.forward + item.backward + item.weight for item in items)
+    step = m * cache[key] / pp
+    return model.tokens * m * dp / step
+
+
 def too_few_items(stages: int, pp: int, items: int) -> str:
     """Why a schedule with more stages than cost items cannot run."""
     per_rank = stages // pp
@@ -495,6 +560,7 @@ def recommend(
     recompute: str | None = None,
     precision: str = "bf16",
     tp: int | None = None,
+    keep: int | None = None,
 ) -> list[Plan]:
     """Every fitting plan, fastest first. ``global_batch`` counts sequences (default 8 per
     device); ``memory`` is bytes per device (default the GPU's), of which ``usable_memory``
@@ -503,7 +569,9 @@ def recommend(
     + all-reduce (see the module's docstring). Every candidate not kept is appended to
     ``rejected``, when given, as a ``Rejected`` with its reason. ``zero`` (0-3), ``recompute``
     (none, selective, full) and ``tp`` fix a training setting that is otherwise searched;
-    ``precision`` is "bf16" or "fp8" (on a GPU with FP8)."""
+    ``precision`` is "bf16" or "fp8" (on a GPU with FP8). ``keep``: simulate only what may be
+    among the ``keep`` fastest (a candidate whose bound on tokens/s, every rank busy with its
+    least work, is below them is rejected unsimulated); None simulates everything."""
     check_inputs(model, hardware, devices, global_batch, memory, schedules, profile)
     check_options(step_boundary, usable_memory, rejected)
     search = Search.checked(zero, recompute, precision, tp, hardware, model, profile)
@@ -511,7 +579,7 @@ def recommend(
     try:
         return _recommend(
             model, hardware, devices, global_batch, memory, schedules, profile, step_boundary,
-            usable_memory, dropped, search,
+            usable_memory, dropped, search, keep,
         )  # fmt: skip
     finally:  # the reasons are there for the caller even when nothing fits
         if rejected is not None:
@@ -521,7 +589,7 @@ def recommend(
 def _recommend(
     model: ModelSpec, hardware: Hardware, devices: int, global_batch: int | None,
     memory: float | None, schedules: Sequence[str], profile: Profile | None, step_boundary: str,
-    usable_memory: float, dropped: list[Rejected], search: Search,
+    usable_memory: float, dropped: list[Rejected], search: Search, keep: int | None,
 ) -> list[Plan]:  # fmt: skip
     batch = 8 * devices if global_batch is None else global_batch
     capacity = (hardware.memory if memory is None else memory) * usable_memory
@@ -577,13 +645,28 @@ def _recommend(
             f"{first.schedule} on {first.layout()}: {first.reason}): use other schedules, "
             "another device count or another global batch"
         )
-    plans = []
+    plans: list[Plan] = []
     cache: dict = {}
+    bounds = {
+        layout: throughput_bound(model, hardware, devices, layout, profile, search, cache)
+        for layout in layouts
+    }
+    layouts.sort(key=bounds.__getitem__, reverse=True)  # the promising first: a higher bar
+    leaders: list[float] = []  # a min-heap of the ``keep`` best tokens/s so far
     with progress("simulating layouts", total=len(layouts)) as tick:
-        for pp, tp, ep, name, m in layouts:
+        for layout in layouts:
+            pp, tp, ep, name, m = layout
             dp = devices // (pp * tp)
+            if keep is not None and len(leaders) >= keep and bounds[layout] < leaders[0]:
+                reason = (
+                    f"at most {bounds[layout]:,.0f} tokens/s even with no bubble and no "
+                    f"communication, below the {keep} best ({leaders[0]:,.0f} and up)"
+                )
+                dropped.append(Rejected(pp, dp, ep, name, m, reason, tp))
+                tick(status=f"{len(plans)} fit")
+                continue
             outcome = best_setting(
-                search.settings(dp, tp),
+                search.settings(dp, tp, pp),
                 lambda training, rebalance, pp=pp, ep=ep, name=name, m=m: evaluate(
                     model, hardware, devices, pp, ep, name, m, capacity, profile, step_boundary,
                     training, rebalance, cache,
@@ -591,6 +674,9 @@ def _recommend(
             )  # fmt: skip
             if isinstance(outcome, Plan):
                 plans.append(outcome)
+                heapq.heappush(leaders, outcome.tokens_per_second)
+                if keep is not None and len(leaders) > keep:
+                    heapq.heappop(leaders)
             else:
                 dropped.append(outcome)
             tick(status=f"{len(plans)} fit")
@@ -687,14 +773,21 @@ def reason(plans: Sequence[Plan], hardware: Hardware) -> str:
         for cut in plans
         for dual in plans
         if cut.schedule == "dualpipev" and dual.schedule == "dualpipe" and cut.pp > 1
-        and (cut.pp, cut.ep) == (dual.pp, dual.ep)
+        and cut.shape() == dual.shape()
     ]  # fmt: skip
+    pairs.sort(key=lambda pair: pair[0].training != pair[1].training)  # like with like first
     if pairs:
         cut, dual = pairs[0]
         change = cut.tokens_per_second / dual.tokens_per_second - 1
+        settings = (
+            ""
+            if cut.training == dual.training
+            else f" (Cut-in-half with {cut.training.describe()}, DualPipe with "
+            f"{dual.training.describe()})"
+        )
         text += (
-            f" At PP={cut.pp}, Cut-in-half needs {cut.peak_memory / 1e9:.1f} GB where DualPipe "
+            f" On {cut.layout()}, Cut-in-half needs {cut.peak_memory / 1e9:.1f} GB where DualPipe "
             f"needs {dual.peak_memory / 1e9:.1f} GB (it stores every stage twice) and is "
-            f"{abs(change):.1%} {'faster' if change >= 0 else 'slower'}."
+            f"{abs(change):.1%} {'faster' if change >= 0 else 'slower'}{settings}."
         )
     return text

@@ -98,3 +98,48 @@ def metrics(timeline: Timeline, costs: Costs | None = None) -> Metrics:
         ep_alltoalls_overlapped=2 * overlapped_pairs(schedule),
         ep_bytes=alltoalls * costs.ep_bytes,
     )
+
+
+def extrapolate(small: Metrics, large: Metrics, microbatches: int) -> Metrics:
+    """The metrics of the same schedule with ``microbatches``, from two runs of it with fewer.
+
+    Past its warm-up a schedule repeats one period per microbatch, so times, counts and bytes
+    grow linearly with the microbatch count while the memory peaks stay: a planner that weighs
+    hundreds of layouts simulates two short steps instead of one long one (checked against
+    full simulations in tests/test_plan_search.py)."""
+    span = large.microbatches - small.microbatches
+    if span <= 0 or small.ranks != large.ranks:
+        raise ValueError("extrapolate needs two runs of one schedule, the second longer")
+    step = (microbatches - large.microbatches) / span
+
+    def grow(a: float, b: float) -> float:
+        return b + (b - a) * step
+
+    def grow_all(a: list[float], b: list[float]) -> list[float]:
+        return [grow(x, y) for x, y in zip(a, b, strict=True)]
+
+    makespan = grow(small.makespan, large.makespan)
+    busy = grow_all(small.busy_per_rank, large.busy_per_rank)
+    spans = grow_all(small.span_per_rank, large.span_per_rank)
+    longest, least_busy = max(spans), min(busy)
+    return Metrics(
+        schedule=large.schedule,
+        ranks=large.ranks,
+        stages=large.stages,
+        microbatches=microbatches,
+        makespan=makespan,
+        busy_per_rank=busy,
+        idle_per_rank=[makespan - b for b in busy],
+        span_per_rank=spans,
+        bubble_ratio=(makespan - least_busy) / makespan if makespan else 0.0,
+        bubble_ratio_span=(longest - least_busy) / longest if longest else 0.0,
+        peak_activations_per_rank=large.peak_activations_per_rank,
+        params_per_rank=large.params_per_rank,
+        p2p_sends=round(grow(small.p2p_sends, large.p2p_sends)),
+        p2p_bytes=grow(small.p2p_bytes, large.p2p_bytes),
+        ep_alltoalls=round(grow(small.ep_alltoalls, large.ep_alltoalls)),
+        ep_alltoalls_overlapped=round(
+            grow(small.ep_alltoalls_overlapped, large.ep_alltoalls_overlapped)
+        ),
+        ep_bytes=grow(small.ep_bytes, large.ep_bytes),
+    )
