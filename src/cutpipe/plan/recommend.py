@@ -474,7 +474,8 @@ def does_not_fit(
 
 
 #: ``evaluate`` simulates at most this many microbatches per rank and extrapolates beyond.
-SIMULATED_PER_RANK = 4
+SIMULATED_PER_RANK = 8
+SIMULATED_AT_LEAST = 16  # a V's warm-up settles later on few ranks
 
 
 def simulated_counts(info, pp: int, microbatches: int) -> tuple[int, int | None]:
@@ -485,7 +486,7 @@ def simulated_counts(info, pp: int, microbatches: int) -> tuple[int, int | None]
     def accepted(least: int) -> int:
         return next(k for k in range(least, least + 4 * pp + 8) if info.accepts(pp, k))
 
-    short = accepted(max(SIMULATED_PER_RANK * pp, info.min_microbatches(pp)))
+    short = accepted(max(SIMULATED_PER_RANK * pp, SIMULATED_AT_LEAST, info.min_microbatches(pp)))
     if microbatches <= 2 * short:
         return microbatches, None
     return short, accepted(2 * short)

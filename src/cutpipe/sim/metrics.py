@@ -118,8 +118,8 @@ def extrapolate(small: Metrics, large: Metrics, microbatches: int) -> Metrics:
     def grow_all(a: list[float], b: list[float]) -> list[float]:
         return [grow(x, y) for x, y in zip(a, b, strict=True)]
 
-    makespan = grow(small.makespan, large.makespan)
     busy = grow_all(small.busy_per_rank, large.busy_per_rank)
+    makespan = max(grow(small.makespan, large.makespan), *busy)  # never below the busiest
     spans = grow_all(small.span_per_rank, large.span_per_rank)
     longest, least_busy = max(spans), min(busy)
     return Metrics(
