@@ -32,7 +32,8 @@ def test_dense_7b_has_llama_2_7b_parameter_count():
 
 def test_example_models_load_and_moe_is_moe():
     names = {path.stem: ModelSpec.load(path) for path in EXAMPLES.glob("*.yaml")}
-    assert set(names) == {"dense-7b", "moe-40l", "deepseek-v3-like", "tiny-dense", "tiny-moe"}
+    assert set(names) == {"dense-7b", "moe-40l", "deepseek-v3-like", "llama3-405b", "tiny-dense",
+                          "tiny-moe"}  # fmt: skip
     assert not names["dense-7b"].moe and names["moe-40l"].moe
     assert not names["tiny-dense"].moe and names["tiny-moe"].moe
     assert names["moe-40l"].layers == 40 and names["moe-40l"].experts == 8
@@ -162,3 +163,9 @@ def test_bad_profile_files(tmp_path):
         Profile.load(tmp_path / "other.json")
     with pytest.raises(ValueError, match="cannot profile in 'int8'"):
         measure(TINY, dtype="int8")
+
+
+def test_llama3_405b_has_its_published_parameter_count():
+    model = ModelSpec.load(EXAMPLES / "llama3-405b.yaml")
+    total = summarize(model_items(model, gpu("H100")))["parameters"]
+    assert total == pytest.approx(405e9, rel=0.02)
