@@ -1,38 +1,39 @@
-"""The analytic cost model against the zero-bubble paper's profiled A100 passes.
+"""The analytic cost model against the zero-bubble paper's measurements (cutpipe.plan.calibration).
 
-Prints, for the two models whose pass times the paper lists (GPT-style, plain 4h MLP, no flash
-attention, sequences of 1024, three layers per stage, A100-80GB), cutpipe's predicted F, B, W
-and pipeline transfer beside the profiled ones, and the bubble rates the simulator gives for
-1F1B, ZB-H1 and ZB-H2 fed either set of costs. This is the table of docs/plan.md, "Calibration".
+Prints three tables, those of docs/plan.md, "Calibration": the model's F, B, W and pipeline send
+beside the paper's profiled ones (its Table 6, the middle microbatch count); the bubble rates
+the simulator gives for 1F1B, ZB-H1 and ZB-H2 from the profiled and from the predicted costs,
+beside the paper's (its Table 5); and samples per GPU per second for 1F1B, 1F1B-I, ZB-1p and
+ZB-2p beside the measured ones (its Table 4), with each schedule's gain over 1F1B.
 
     python benchmarks/calibration.py
 """
 
 from __future__ import annotations
 
-from cutpipe.plan.costs import layer_cost, p2p_time
-from cutpipe.plan.hardware import gpu
+from cutpipe.plan.calibration import (
+    A100,
+    SCHEDULES,
+    SETUPS,
+    predicted_passes,
+    predicted_throughput,
+)
+from cutpipe.plan.costs import layer_cost
 from cutpipe.schedule.registry import generate
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
 from cutpipe.spec import ModelSpec
 
-
-def gpt(name: str, layers: int, hidden: int, heads: int, microbatch: int) -> ModelSpec:
-    return ModelSpec(name, layers, hidden, heads, 4 * hidden, 50304, 1024,
-                     microbatch_size=microbatch, gated_mlp=False, flash_attention=False)  # fmt: skip
-
-
-#: (model, pipeline ranks, microbatches, profiled F, B, W, comm in microseconds)
-PROFILED = [
-    (gpt("1.5B", 22, 2304, 24, 6), 8, 24, (18522, 18086, 9337, 601)),
-    (gpt("14.6B", 46, 5120, 64, 1), 16, 64, (11307, 11254, 8101, 379)),
-]
-LAYERS_PER_STAGE = 3
+#: The paper's Table 5 at the middle microbatch count: 1F1B, ZB-H1, ZB-H2 bubble rates.
+PUBLISHED_BUBBLES = {"1.5B": (0.1985, 0.1242, 0.0837), "6.2B": (0.1898, 0.1045, 0.0559),
+                     "14.6B": (0.2082, 0.1088, 0.0516), "28.3B": (0.2168, 0.1106, 0.0490)}  # fmt: skip
 
 
-def bubbles(ranks: int, microbatches: int, costs: Costs) -> list[float]:
+def bubbles(
+    ranks: int, microbatches: int, f: float, b: float, w: float, comm: float
+) -> list[float]:
+    costs = Costs(f=f, b=b, w=w, comm=comm)
     out = []
     for name in ("1f1b", "zbh1", "zbh2"):
         result = metrics(simulate(generate(name, ranks, microbatches), costs), costs)
@@ -41,39 +42,53 @@ def bubbles(ranks: int, microbatches: int, costs: Costs) -> list[float]:
 
 
 def main() -> None:
-    a100 = gpu("A100-80GB")
-    print("| model | pass | profiled (us) | predicted (us) | error |")
+    print("| model | pass | profiled (ms) | predicted (ms) | error |")
     print("|---|---|---|---|---|")
-    rows = []
-    for model, ranks, m, measured in PROFILED:
-        layer = layer_cost(model, a100, 0)
-        predicted = (
-            LAYERS_PER_STAGE * layer.forward * 1e6,
-            LAYERS_PER_STAGE * layer.backward * 1e6,
-            LAYERS_PER_STAGE * layer.weight * 1e6,
-            p2p_time(model, a100, within_node=True) * 1e6,
-        )
-        for name, want, got in zip(("F", "B", "W", "comm"), measured, predicted, strict=True):
-            print(f"| {model.name} | {name} | {want} | {got:.0f} | {got / want - 1:+.1%} |")
-        print(f"| {model.name} | W/F | {measured[2] / measured[0]:.3f} | "
-              f"{predicted[2] / predicted[0]:.3f} | |")  # fmt: skip
-        rows.append((model, ranks, m, measured, predicted))
+    for setup in SETUPS:
+        predicted = predicted_passes(setup)
+        for name, want, got in zip(("F", "B", "W", "comm"), setup.profiled, predicted, strict=True):
+            print(
+                f"| {setup.model.name} | {name} | {want:.3f} | {got:.3f} | {got / want - 1:+.1%} |"
+            )
     print()
     print("| model | R | m | costs | 1F1B | ZB-H1 | ZB-H2 (span) |")
     print("|---|---|---|---|---|---|---|")
-    for model, ranks, m, measured, predicted in rows:
-        for label, (f, b, w, comm) in (("profiled", measured), ("predicted", predicted)):
-            values = bubbles(ranks, m, Costs(f=f, b=b, w=w, comm=comm))
-            cells = " | ".join(f"{v:.4f}" for v in values)
-            print(f"| {model.name} | {ranks} | {m} | {label} | {cells} |")
-    thin = PROFILED[1][0]
+    for setup in SETUPS:
+        m = setup.microbatches[1]
+        published = " | ".join(f"{v:.4f}" for v in PUBLISHED_BUBBLES[setup.model.name])
+        print(f"| {setup.model.name} | {setup.ranks} | {m} | published | {published} |")
+        for label, costs in (("profiled", setup.profiled), ("predicted", predicted_passes(setup))):
+            cells = " | ".join(f"{v:.4f}" for v in bubbles(setup.ranks, m, *costs))
+            print(f"| {setup.model.name} | {setup.ranks} | {m} | {label} | {cells} |")
+    print()
+    print("| model | m | " + " | ".join(f"{s} measured / predicted" for s in SCHEDULES) + " |")
+    print("|---|---|" + "---|" * len(SCHEDULES))
+    worst, gains = 0.0, 0.0
+    for setup in SETUPS:
+        for j, m in enumerate(setup.microbatches):
+            predicted = {s: predicted_throughput(setup, s, m) for s in SCHEDULES}
+            cells = []
+            for s in SCHEDULES:
+                measured = setup.measured[s][j]
+                error = predicted[s] / measured - 1
+                worst = max(worst, abs(error))
+                cell = f"{measured:g} / {predicted[s]:.3g} ({error:+.1%})"
+                if s != "1f1b":
+                    gain = measured / setup.measured["1f1b"][j] - 1
+                    model_gain = predicted[s] / predicted["1f1b"] - 1
+                    gains = max(gains, abs(model_gain - gain))
+                    cell += f", gain {gain:+.1%} / {model_gain:+.1%}"
+                cells.append(cell)
+            print(f"| {setup.model.name} | {m} | " + " | ".join(cells) + " |")
+    print()
+    print(f"largest throughput error {worst:.1%}; largest gain error {gains * 100:.1f} points")
+    thin = SETUPS[2].model
     wide = ModelSpec(**{**thin.__dict__, "microbatch_size": 2})
 
     def per_token(spec: ModelSpec) -> float:
-        layer = layer_cost(spec, a100, 0)
+        layer = layer_cost(spec, A100, 0)
         return (layer.forward + layer.backward + layer.weight) / spec.tokens
 
-    print()
     print(f"14.6B, microbatch 1 -> 2: {per_token(thin) / per_token(wide) - 1:.1%} faster per token")
 
 

@@ -130,3 +130,22 @@ def test_deepseek_v3_on_2048_h800s():
     plans = recommend(model, h800, 2048, global_batch=15360, keep=12)
     assert published.tokens_per_second <= plans[0].tokens_per_second
     assert any(plan.schedule == "dualpipev" for plan in plans[:5])
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.stem)
+def test_no_shipped_example_crashes_recommend_or_tune_or_is_dropped_silently(path, capsys):
+    """Every candidate is a plan or a reason; a model that fits nowhere is a ValueError that
+    says by how much; tune runs on each model that has layers for a V on two ranks."""
+    from cutpipe.cli.main import main
+
+    model = load_model_config(path)
+    rejected: list[Rejected] = []
+    try:
+        plans = recommend(model, H100, 8, rejected=rejected, keep=12)
+    except ValueError as error:
+        assert "does not fit on 8 x H100" in str(error) and "GB over" in str(error)
+    else:
+        assert plans and all(r.reason for r in rejected)
+    assert main(["tune", "--model", str(path), "--gpu", "H100", "-r", "2", "-m", "4",
+                 "--seconds", "0", "--json"]) == 0  # fmt: skip
+    capsys.readouterr()

@@ -24,7 +24,9 @@ its backward (attention scores aside), at memory bandwidth. W is matmuls only. S
 - F = weight matmuls + score matmuls + elementwise
 - B (input gradients) = weight matmuls + twice the score matmuls + elementwise
 - W (weight gradients) = weight matmuls
-- each is at least the time to stream the layer's parameters through memory once
+- each is at least the time to stream the layer's parameters through memory once, and each
+  pays ``PASS_OVERHEAD`` more, the time a measured step spends per layer and pass around the
+  passes themselves
 
 The constants come from fitting the zero-bubble paper's profiled A100 pass times
 (docs/plan.md, "Calibration"): W/F is 0.5 to 0.75 there, not the 1.0 matmul-only counting gives.
@@ -72,7 +74,11 @@ from cutpipe.spec import ModelSpec
 __all__ = ["GPUS", "Hardware", "ItemCost", "Training", "gpu", "model_items"]
 
 #: Fitted to the zero-bubble paper's profiled F and B on A100 (docs/plan.md, "Calibration").
-ELEMENTWISE_PER_KEPT_BYTE = 9.9
+ELEMENTWISE_PER_KEPT_BYTE = 10.0
+#: Fitted to the same paper's measured throughput with ZB-2p (docs/plan.md, "Calibration"): the
+#: time a measured step spends per layer and pass beyond the profiled passes themselves
+#: (launches and synchronisation between passes), added to each of F, B and W.
+PASS_OVERHEAD = 0.3e-3
 #: Adam with fp32 master weights reads the gradient, master weight and moments and writes them
 #: back with the bf16 weight: about 28 bytes per parameter through memory per step.
 OPTIMIZER_BYTES_PER_PARAMETER = 28
@@ -258,9 +264,9 @@ def layer_cost(
     weight = weights
     return ItemCost(
         name=f"layer {index}{' (MoE)' if moe else ''}",
-        forward=_floor(forward, params, model, hardware),
-        backward=_floor(backward, params, model, hardware),
-        weight=_floor(weight, params, model, hardware),
+        forward=_floor(forward, params, model, hardware) + PASS_OVERHEAD,
+        backward=_floor(backward, params, model, hardware) + PASS_OVERHEAD,
+        weight=_floor(weight, params, model, hardware) + PASS_OVERHEAD,
         activation=activation,
         parameters=params,
         ep_forward=ep_forward,

@@ -25,13 +25,13 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 #: Fitted to the zero-bubble paper's profiled W passes on A100 (docs/plan.md, "Calibration").
-GEMM_EFFICIENCY = 0.843
-GEMM_HALF_DIM = 104.0
+GEMM_EFFICIENCY = 0.837
+GEMM_HALF_DIM = 92.0
 #: Fitted to the same paper's profiled pipeline transfers inside a node: Megatron's batched
 #: send/receive costs about a quarter of a millisecond beyond the bytes, and one send pair
 #: reaches about a quarter of NVLink's bandwidth. Across nodes a send reaches the NIC's rate.
-P2P_OVERHEAD = 243e-6
-P2P_BANDWIDTH_SHARE = 0.27  # of the node fabric's bandwidth one pipeline send reaches
+P2P_OVERHEAD = 230e-6
+P2P_BANDWIDTH_SHARE = 0.243  # of the node fabric's bandwidth one pipeline send reaches
 
 
 @dataclass(frozen=True)
