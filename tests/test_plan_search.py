@@ -16,9 +16,10 @@ from cutpipe.plan.recommend import (
     best_setting,
     evaluate,
     recommend,
+    simulated_counts,
     throughput_bound,
 )
-from cutpipe.schedule.registry import generate
+from cutpipe.schedule.registry import generate, schedule_info
 from cutpipe.sim.metrics import extrapolate, metrics
 from cutpipe.sim.simulate import simulate
 from cutpipe.spec import ModelSpec
@@ -31,21 +32,23 @@ H100 = gpu("H100")
 @pytest.mark.parametrize("name", ["1f1b", "zbh1", "zbh2", "zbv", "dualpipe", "dualpipev"])
 def test_two_short_steps_extrapolate_to_the_long_one(name):
     """Uneven stages (the embedding and the head on their ends): past the warm-up a step
-    grows by one period per microbatch, so two short runs give the long one."""
+    grows by one period per microbatch, so the two short runs ``recommend`` simulates give
+    the long one."""
     items = model_items(DENSE, H100)
     probe = generate(name, 4, 32)
     sizes = rank_balanced_sizes(items, probe)
     costs = stage_costs(items, sizes, p2p_time(DENSE, H100, True), w_memory(DENSE))
-    runs = {m: metrics(simulate(generate(name, 4, m), costs), costs) for m in (16, 32, 96)}
-    guess = extrapolate(runs[16], runs[32], 96)
-    assert guess.makespan == pytest.approx(runs[96].makespan, rel=0.005)
-    assert guess.bubble_ratio == pytest.approx(runs[96].bubble_ratio, abs=0.005)
-    assert guess.bubble_ratio_span == pytest.approx(runs[96].bubble_ratio_span, abs=0.005)
-    assert guess.busy_per_rank == pytest.approx(runs[96].busy_per_rank, rel=1e-9)
-    assert guess.p2p_sends == runs[96].p2p_sends
-    assert guess.peak_activations_per_rank == pytest.approx(runs[96].peak_activations_per_rank)
+    short, long = simulated_counts(schedule_info(name), 4, 256)
+    runs = {m: metrics(simulate(generate(name, 4, m), costs), costs) for m in (short, long, 256)}
+    guess = extrapolate(runs[short], runs[long], 256)
+    assert guess.makespan == pytest.approx(runs[256].makespan, rel=0.005)
+    assert guess.bubble_ratio == pytest.approx(runs[256].bubble_ratio, abs=0.005)
+    assert guess.bubble_ratio_span == pytest.approx(runs[256].bubble_ratio_span, abs=0.005)
+    assert guess.busy_per_rank == pytest.approx(runs[256].busy_per_rank, rel=1e-9)
+    assert guess.p2p_sends == runs[256].p2p_sends
+    assert guess.peak_activations_per_rank == pytest.approx(runs[256].peak_activations_per_rank)
     with pytest.raises(ValueError, match="the second longer"):
-        extrapolate(runs[32], runs[16], 96)
+        extrapolate(runs[long], runs[short], 256)
 
 
 def test_the_settings_searched():

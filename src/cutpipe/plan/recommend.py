@@ -49,6 +49,7 @@ import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from cutpipe.plan.costs import (
     PLAIN,
@@ -238,12 +239,8 @@ def evaluate(
     memory gets a memory-aware one; ``cache`` keeps compute-balanced splits between calls."""
     dp = devices // (pp * training.tp)
     info = schedule_info(name)
-    key = ("items", ep, training)
-    if cache is None or key not in cache:
-        items = _items(model, hardware, ep, profile, training)
-        if cache is not None:
-            cache[key] = items
-    items = cache[key] if cache is not None else items
+    items = _memo(cache, ("items", ep, training),
+                  lambda: _items(model, hardware, ep, profile, training))  # fmt: skip
     buffers = buffer_bytes(model, training, pp, ep)
 
     def rejected(reason: str, excess: float = 0.0) -> Rejected:
@@ -253,7 +250,10 @@ def evaluate(
     if stages > len(items):
         return rejected(too_few_items(stages, pp, len(items)))
     short_m, long_m = simulated_counts(info, pp, microbatches)
-    schedule = _generated(info, pp, short_m, cache)  # peaks as high as the whole step
+    # a short step peaks as high as the whole one
+    schedule = _memo(
+        cache, ("schedule", info.spec, pp, short_m), lambda: info.generate(pp, short_m)
+    )
     # the training state alone, however split: the average rank's share of every copy
     floor = sum(item.state_bytes for item in items) * len(schedule.placement.pipes) / pp
     if floor + buffers > capacity:
@@ -271,13 +271,10 @@ def evaluate(
         state = stage_state_bytes(items, sizes)
         return costs, [m + buffers for m in rank_memory(schedule, costs, state)]
 
-    work = (info.spec, pp, tuple(item.forward + item.backward + item.weight for item in items))
-    if cache is not None and work in cache:
-        sizes = cache[work]
-    else:
-        sizes = rank_balanced_sizes(items, schedule)
-        if cache is not None:
-            cache[work] = sizes
+    work = tuple(item.forward + item.backward + item.weight for item in items)
+    sizes = _memo(
+        cache, ("split", info.spec, pp, work), lambda: rank_balanced_sizes(items, schedule)
+    )
     costs, memory = weigh(sizes)
     if max(memory) > capacity:
         if not rebalance or max(memory) > NEAR_MISS * capacity:
@@ -289,7 +286,8 @@ def evaluate(
             return rejected(over_memory(memory, capacity), max(memory) - capacity)
     result = metrics(simulate(schedule, costs), costs)
     if long_m is not None:
-        longer = metrics(simulate(_generated(info, pp, long_m, cache), costs), costs)
+        long = _memo(cache, ("schedule", info.spec, pp, long_m), lambda: info.generate(pp, long_m))
+        longer = metrics(simulate(long, costs), costs)
         result = extrapolate(result, longer, microbatches)
     bandwidth, latency = hardware.link(within_node=devices <= hardware.gpus_per_node)
     parts = groups(items, sizes)
@@ -492,13 +490,12 @@ def simulated_counts(info, pp: int, microbatches: int) -> tuple[int, int | None]
     return short, accepted(2 * short)
 
 
-def _generated(info, pp: int, microbatches: int, cache: dict | None):
-    """``info.generate(pp, microbatches)``, once per ``cache``."""
-    key = ("schedule", info.spec, pp, microbatches)
+def _memo(cache: dict | None, key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()``, once per ``key`` in ``cache`` (every time without one)."""
     if cache is None:
-        return info.generate(pp, microbatches)
+        return make()
     if key not in cache:
-        cache[key] = info.generate(pp, microbatches)
+        cache[key] = make()
     return cache[key]
 
 
@@ -510,12 +507,9 @@ def throughput_bound(
     of the least work (no recompute, no ZeRO-3 gathers), nothing else in the step."""
     pp, tp, ep, _, m = layout
     dp = devices // (pp * tp)
-    key = ("least work", ep, tp)
-    if key not in cache:
-        least = Training(0, dp, "none", search.fp8, tp)
-        items = _items(model, hardware, ep, profile, least)
-        cache[key] = sum(item.forward + item.backward + item.weight for item in items)
-    step = m * cache[key] / pp
+    least = Training(0, dp, "none", search.fp8, tp)
+    items = _memo(cache, ("items", ep, least), lambda: _items(model, hardware, ep, profile, least))
+    step = m * sum(item.forward + item.backward + item.weight for item in items) / pp
     return model.tokens * m * dp / step
 
 
