@@ -177,15 +177,14 @@ def test_explicit_chunks_are_tried_as_given():
 
 def test_usable_memory_decides_what_fits_and_the_reason_says_how_much_is_usable():
     """The zero-bubble paper ran layouts that peak at up to 92.5 % of the memory: at 95 % they
-    fit, at 90 % they did not (dense-7b at PP=2 on 8 H100s needs 75.9 GB with ZB-V)."""
+    fit, at 90 % they did not (dense-7b on 8 H100s has plans between 72 and 76 GB)."""
     assert USABLE_MEMORY == 0.95
     fits = by_layout(recommend(DENSE, H100, 8, **PLAIN))
     rejected: list[Rejected] = []
     tight = by_layout(recommend(DENSE, H100, 8, usable_memory=0.9, rejected=rejected, **PLAIN))
     assert set(tight) < set(fits)
     gained = [fits[key] for key in set(fits) - set(tight)]
-    assert all(72e9 < plan.peak_memory <= 76e9 for plan in gained)
-    assert (2, 1, "zbv") in fits
+    assert gained and all(72e9 < plan.peak_memory <= 76e9 for plan in gained)
     reasons = {(r.pp, r.ep, r.schedule): r.reason for r in rejected}
     for plan in gained:
         reason = reasons[(plan.pp, plan.ep, plan.schedule)]
