@@ -25,14 +25,8 @@ possibly a stage of its own), its memory checked, and its step simulated:
   communication buffers (``plan.footprint``), at most ``usable_memory`` (default 95 %) of the
   GPU's memory; plus, in the step, the optimizer's pass over the rank's parameters
 
-For each layout and schedule the training settings are searched too (``Training``): tensor
-parallelism inside a node (TP dividing the heads), activation recompute (none, selective,
-full) and ZeRO over the data-parallel ranks (ZeRO-1, -2, -3 where DP > 1), in bf16 or FP8 as
-asked. Within one recompute level the first ZeRO stage that fits is kept (a higher one is never
-faster); a level that fits with ZeRO-1 or less ends the search (more recompute is never
-faster).
-- communication share = (pipeline transfers on the most loaded rank + exposed expert
-  all-to-alls + the gradient all-reduce) / step time
+For each layout and schedule the training settings are searched too (``plan.settings``): TP
+inside a node, activation recompute and ZeRO over the data-parallel ranks, in bf16 or FP8.
 
 Every candidate not kept is a ``Rejected`` with its reason: a batch that does not split over the
 layout, more stages than the model has items, a shape the schedule does not run, or memory over
@@ -48,12 +42,11 @@ import heapq
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from cutpipe.plan.costs import (
     PLAIN,
-    RECOMPUTE,
     Hardware,
     ItemCost,
     Training,
@@ -62,8 +55,8 @@ from cutpipe.plan.costs import (
     p2p_time,
     w_memory,
 )
-from cutpipe.plan.footprint import Footprint, buffer_bytes, footprint
-from cutpipe.plan.hardware import GPUS
+from cutpipe.plan.explain import does_not_fit, over_memory, reason, too_few_items
+from cutpipe.plan.footprint import buffer_bytes, footprint
 from cutpipe.plan.partition import (
     groups,
     rank_balanced_sizes,
@@ -71,8 +64,19 @@ from cutpipe.plan.partition import (
     stage_costs,
     stage_state_bytes,
 )
+from cutpipe.plan.plans import (
+    CHUNK_CHOICES,
+    OVERLAPPING,
+    SINGLE_RANK,
+    Plan,
+    Rejected,
+    expand,
+    label,
+    title,
+)
 from cutpipe.plan.profile import Profile
 from cutpipe.plan.progress import progress
+from cutpipe.plan.settings import Search, best_setting, divisors
 from cutpipe.records import count
 from cutpipe.schedule.limits import MAX_OPS
 from cutpipe.schedule.registry import schedule_info
@@ -80,6 +84,12 @@ from cutpipe.sim.costs import Costs
 from cutpipe.sim.metrics import extrapolate, metrics
 from cutpipe.sim.simulate import simulate
 from cutpipe.spec import ModelSpec
+
+__all__ = [  # the planner's public names, wherever they live
+    "CHUNK_CHOICES", "DEFAULT_SCHEDULES", "OVERLAPPING", "SINGLE_RANK", "USABLE_MEMORY", "Plan",
+    "Rejected", "Search", "best_setting", "divisors", "evaluate", "expand", "label", "reason",
+    "recommend", "ring_allreduce", "simulated_counts", "throughput_bound", "title",
+]  # fmt: skip
 
 #: The share of a GPU's memory a plan may fill (``usable_memory``). The zero-bubble paper's runs
 #: peaked at up to 74 GB on 80 GB GPUs (92.5 %); the remaining 5 % covers the CUDA context and
@@ -89,126 +99,12 @@ USABLE_MEMORY = 0.95
 STEP_MEASURES = {"sync": "makespan", "overlap": "span"}
 #: What the measures say in titles.
 MEASURE_WORDS = {"makespan": "makespan (steps synchronised)", "span": "span (steps overlap)"}
-#: The chunks tried for a schedule that takes them and is named without them (``interleaved``).
-CHUNK_CHOICES = (2, 4)
 #: The most ops ``recommend`` simulates over all layouts (about a minute of work).
 MAX_SIMULATED_OPS = 20_000_000
 #: More devices than any cluster; ``recommend`` enumerates the divisors of the count.
 MAX_DEVICES = 1_000_000
 NEAR_MISS = 1.25  # a compute-balanced split this far over the memory gets a memory-aware one
 DEFAULT_SCHEDULES = ("1f1b", "zbh1", "zbh2", "interleaved", "zbv", "dualpipe", "dualpipev")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One simulated way to train the model on the devices."""
-
-    pp: int
-    dp: int
-    ep: int
-    schedule: str
-    microbatches: int
-    step_time: float  # seconds
-    tokens_per_second: float
-    bubble: float  # the pipeline's bubble ratio (absolute measure)
-    peak_memory: float  # bytes on the fullest device
-    comm_share: float
-    stage_sizes: list[int]
-    #: what ``step_time`` and ``bubble`` measure: "makespan" (steps synchronised) or "span"
-    step_measure: str = "makespan"
-    training: Training = PLAIN  # ZeRO, recompute, precision, TP
-    footprint: Footprint | None = None  # the fullest rank's memory by what holds it
-
-    @property
-    def tp(self) -> int:
-        return self.training.tp
-
-    def layout(self) -> str:
-        return _layout(self.pp, self.dp, self.ep, self.tp)
-
-    def shape(self) -> tuple[int, int, int, int]:
-        """(PP, DP, EP, TP): plans on the same devices in the same way."""
-        return self.pp, self.dp, self.ep, self.tp
-
-    def schedule_label(self) -> str:
-        """Short: the registry name with its chunks, or what a single rank does."""
-        if self.pp > 1:
-            return self.schedule
-        return "none+overlap" if self.schedule in OVERLAPPING else "none"
-
-    def schedule_title(self) -> str:
-        if self.pp > 1:
-            return title(self.schedule)
-        if self.schedule in OVERLAPPING:
-            return "no pipeline, F&B overlap"
-        return "no pipeline"
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """A candidate ``recommend`` did not keep, and why."""
-
-    pp: int
-    dp: int
-    ep: int
-    schedule: str  # "" when the layout is refused for every schedule
-    microbatches: int  # 0 where the global batch does not split into whole microbatches
-    reason: str
-    tp: int = 1
-    excess: float = 0.0  # bytes over the usable memory, where that is the reason
-    training: Training = PLAIN  # the last setting tried
-
-    def layout(self) -> str:
-        return _layout(self.pp, self.dp, self.ep, self.tp)
-
-    def schedule_label(self) -> str:
-        return self.schedule or "every schedule"
-
-
-def _layout(pp: int, dp: int, ep: int, tp: int = 1) -> str:
-    return f"PP={pp} DP={dp}" + (f" EP={ep}" if ep > 1 else "") + (f" TP={tp}" if tp > 1 else "")
-
-
-def label(name: str) -> str:
-    """The registry name with every parameter written out: ``interleaved:chunks=2``."""
-    info = schedule_info(name)
-    settings = info.settings
-    return ":".join([info.name, *(f"{p.name}={settings[p.name]}" for p in info.params)])
-
-
-def title(name: str) -> str:
-    """``Interleaved 1F1B (chunks=2)``: the title with every parameter, defaults included."""
-    info = schedule_info(name)
-    if not info.params:
-        return info.title
-    settings = info.settings
-    return f"{info.base_title} ({', '.join(f'{p.name}={settings[p.name]}' for p in info.params)})"
-
-
-def expand(schedules: Sequence[str]) -> list[str]:
-    """The schedules to try, as ``label``s in the order given: one named without its chunks
-    (``interleaved``) becomes one per ``CHUNK_CHOICES``; an explicit ``interleaved:chunks=8``
-    stays as given."""
-    out: list[str] = []
-    for name in schedules:
-        info = schedule_info(name)
-        chunks = [p.name for p in info.params if p.stages_per_rank]
-        if chunks and chunks[0] not in dict(info.values):  # bound only when given
-            names = [label(info.bind(**{chunks[0]: k}).spec) for k in CHUNK_CHOICES]
-        else:
-            names = [label(name)]
-        out.extend(n for n in names if n not in out)
-    return out
-
-
-#: On one rank (PP = 1) every schedule is plain data parallelism, except that DualPipeV's order
-#: overlaps one microbatch's forward with another's backward, hiding expert all-to-alls.
-SINGLE_RANK = ("1f1b", "dualpipev")
-OVERLAPPING = ("dualpipev",)
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _items(
@@ -349,128 +245,6 @@ def evaluate(
                 min(1.0, comm_time / step), sizes, measure, training, where)  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Search:
-    """Which training settings ``recommend`` tries: fixed where the caller fixed them."""
-
-    zero: int | None
-    recompute: str | None
-    fp8: bool
-    tp: int | None
-    measured: bool  # a profile fixes compute and activations: no recompute or TP to model
-
-    @classmethod
-    def checked(
-        cls, zero: int | None, recompute: str | None, precision: str, tp: int | None,
-        hardware: Hardware, model: ModelSpec, profile: Profile | None,
-    ) -> Search:  # fmt: skip
-        if zero is not None and zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
-        if recompute is not None and recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
-        if precision not in ("bf16", "fp8"):
-            raise ValueError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
-        if precision == "fp8" and not hardware.fp8_flops:
-            raise ValueError(f"{hardware.name} has no FP8 tensor cores: use --precision bf16")
-        if tp is not None:
-            count(tp, "tp")
-            if tp > hardware.gpus_per_node or model.heads % tp:
-                raise ValueError(
-                    f"tp must divide the {model.heads} heads and stay inside a node of "
-                    f"{hardware.gpus_per_node} GPUs, got {tp}"
-                )
-        measured = profile is not None
-        if measured and (precision == "fp8" or (tp or 1) > 1 or recompute not in (None, "none")):
-            raise ValueError(
-                "a profile measures compute and activations as they ran: recompute, FP8 and TP "
-                "are not modelled on top of it (profile the setting instead)"
-            )
-        return cls(zero, recompute, precision == "fp8", tp, measured)
-
-    def shapes(self, devices: int, model: ModelSpec, hardware: Hardware) -> list[tuple[int, int]]:
-        """(PP, TP) pairs to try: TP inside a node, dividing the heads and key/value heads."""
-        kv = model.kv_heads or model.heads
-        if self.tp is not None:
-            tps = [self.tp]
-        elif self.measured:
-            tps = [1]
-        else:
-            tps = [
-                t for t in divisors(hardware.gpus_per_node) if model.heads % t == 0 and kv % t == 0
-            ]
-        return [(pp, tp) for tp in tps for pp in divisors(devices) if (devices // pp) % tp == 0]
-
-    def settings(self, dp: int, tp: int, pp: int = 1) -> list[list[Training]]:
-        """Groups by recompute level (least first), each by ZeRO stage (least first). Under a
-        pipeline only ZeRO-1 is searched: ZeRO-2 and -3 shard gradients that a pipeline
-        accumulates over its microbatches (DeepSpeed refuses the combination), and ZeRO-3's
-        per-pass weight gathers would repeat for every microbatch; ask for them explicitly."""
-        if self.recompute is not None:
-            levels = [self.recompute]
-        else:
-            levels = ["none"] if self.measured else list(RECOMPUTE)
-        unsharded = [0] if dp == 1 else [1] if pp > 1 else [1, 2, 3]  # nothing over one rank
-        zeros = [self.zero] if self.zero is not None else unsharded
-        return [[Training(z, dp, r, self.fp8, tp) for z in zeros] for r in levels]
-
-
-def best_setting(
-    groups: Sequence[Sequence[Training]], attempt: Callable[[Training, bool], Plan | Rejected]
-) -> Plan | Rejected:
-    """The fastest plan over the settings (see the module), or the refusal that came closest.
-
-    Within a group the settings are first weighed on the compute-balanced split; only when none
-    fits does the closest get a memory-aware split (``attempt(training, True)``)."""
-    best: Plan | None = None
-    closest: Rejected | None = None
-
-    def nearer(outcome: Rejected) -> bool:
-        return closest is None or (0 < outcome.excess < closest.excess) or not closest.excess
-
-    for group in groups:
-        found, near = None, None
-        for training in group:
-            outcome = attempt(training, False)
-            if isinstance(outcome, Plan):
-                found = outcome
-                break
-            if near is None or 0 < outcome.excess < near.excess:
-                near = outcome
-        if found is None and near is not None and near.excess > 0:
-            outcome = attempt(near.training, True)
-            found = outcome if isinstance(outcome, Plan) else None
-            near = near if found else outcome
-        if found is not None and (best is None or found.tokens_per_second > best.tokens_per_second):
-            best = found
-        if found is None and near is not None and nearer(near):
-            closest = near
-        if best is not None and best.training.zero <= 1:
-            break
-    return best if best is not None else closest
-
-
-def does_not_fit(
-    model: ModelSpec, hardware: Hardware, devices: int, closest: Rejected, capacity: float,
-    usable_memory: float,
-) -> str:  # fmt: skip
-    """Nothing fits: the plan that came closest, by how much, and the cheapest change."""
-    need = capacity + closest.excess
-    gpu_memory = need / usable_memory
-    bigger = sorted((g.memory, g.name) for g in GPUS.values() if g.memory * usable_memory >= need)
-    suggestion = f"a GPU with at least {gpu_memory / 1e9:.0f} GB" + (
-        f" (e.g. {bigger[0][1]}, {bigger[0][0] / 1e9:.0f} GB)" if bigger else ""
-    )
-    state = sum(item.parameters for item in model_items(model, hardware)) * 16
-    floor = math.ceil(state / capacity)
-    return (
-        f"{model.name} does not fit on {devices} x {hardware.name}: the closest plan, "
-        f"{closest.schedule_label()} on {closest.layout()} with {closest.training.describe()}, "
-        f"{closest.reason}. Cheapest changes: {suggestion}; or more devices (its training "
-        f"state alone, {state / 1e12:.2f} TB, needs at least {floor} of these even fully "
-        "sharded); or shorter sequences"
-    )
-
-
 #: ``evaluate`` simulates at most this many microbatches per rank and extrapolates beyond.
 SIMULATED_PER_RANK = 8
 SIMULATED_AT_LEAST = 16  # a V's warm-up settles later on few ranks
@@ -511,25 +285,6 @@ def throughput_bound(
     items = _memo(cache, ("items", ep, least), lambda: _items(model, hardware, ep, profile, least))
     step = m * sum(item.forward + item.backward + item.weight for item in items) / pp
     return model.tokens * m * dp / step
-
-
-def too_few_items(stages: int, pp: int, items: int) -> str:
-    """Why a schedule with more stages than cost items cannot run."""
-    per_rank = stages // pp
-    need = f"{per_rank}*PP={stages}" if per_rank > 1 else f"PP={stages}"
-    return (
-        f"needs {need} stages, the model has {items - 2} layers + embedding + head = {items} items"
-    )
-
-
-def over_memory(memory: Sequence[float], capacity: float) -> str:
-    """Why a candidate does not fit: the fullest rank's need against the usable bytes."""
-    rank = max(range(len(memory)), key=memory.__getitem__)
-    need = memory[rank]
-    return (
-        f"needs {need / 1e9:.1f} GB on rank {rank}, {capacity / 1e9:.1f} GB usable "
-        f"({(need - capacity) / 1e9:.1f} GB over)"
-    )
 
 
 def ring_allreduce(size: float, ranks: int, bandwidth: float, latency: float) -> float:
@@ -737,52 +492,3 @@ def check_size(name: str, pp: int, microbatches: int, batch: int) -> None:
             f"pipeline at PP={pp}, and {name} would hold about {ops:,} ops, over the limit of "
             f"{MAX_OPS:,}: use a smaller global batch"
         )
-
-
-def reason(plans: Sequence[Plan], hardware: Hardware) -> str:
-    """A paragraph on why the fastest plan wins, from the numbers of the others."""
-    best = plans[0]
-    text = (
-        f"{best.schedule_title()} on {best.layout()} with {best.microbatches} microbatches per "
-        f"pipeline is fastest: {best.tokens_per_second:,.0f} tokens/s, a step of {best.step_time:.2f} s "
-        f"{'(span: steps overlap) ' if best.step_measure == 'span' else ''}"
-        f"with a {best.bubble:.1%} bubble and {best.comm_share:.0%} of it in communication, "
-        f"{best.peak_memory / 1e9:.1f} GB on the fullest {hardware.name}."
-    )
-    same_layout = [p for p in plans[1:] if p.shape() == best.shape()]
-    if same_layout:
-        other = same_layout[0]
-        text += (
-            f" On the same layout the next schedule, {other.schedule_title()}, is "
-            f"{1 - other.tokens_per_second / best.tokens_per_second:.1%} slower (bubble {other.bubble:.1%}, "
-            f"{other.peak_memory / 1e9:.1f} GB)."
-        )
-    other_layout = next((p for p in plans[1:] if p.shape() != best.shape()), None)
-    if other_layout is not None:
-        text += (
-            f" The best other layout, {other_layout.layout()} with {other_layout.schedule_title()}, "
-            f"is {1 - other_layout.tokens_per_second / best.tokens_per_second:.1%} slower."
-        )
-    pairs = [
-        (cut, dual)
-        for cut in plans
-        for dual in plans
-        if cut.schedule == "dualpipev" and dual.schedule == "dualpipe" and cut.pp > 1
-        and cut.shape() == dual.shape()
-    ]  # fmt: skip
-    pairs.sort(key=lambda pair: pair[0].training != pair[1].training)  # like with like first
-    if pairs:
-        cut, dual = pairs[0]
-        change = cut.tokens_per_second / dual.tokens_per_second - 1
-        settings = (
-            ""
-            if cut.training == dual.training
-            else f" (Cut-in-half with {cut.training.describe()}, DualPipe with "
-            f"{dual.training.describe()})"
-        )
-        text += (
-            f" On {cut.layout()}, Cut-in-half needs {cut.peak_memory / 1e9:.1f} GB where DualPipe "
-            f"needs {dual.peak_memory / 1e9:.1f} GB (it stores every stage twice) and is "
-            f"{abs(change):.1%} {'faster' if change >= 0 else 'slower'}{settings}."
-        )
-    return text
