@@ -152,7 +152,11 @@ def test_a_killed_worker_restarts_and_resumes_bitwise(model_file, tmp_path):
     resumed = int(killed.stdout.split("resumed after step ")[1].split(";")[0].split()[0])
     assert resumed in (2, 4)  # the last checkpoint complete when the worker died
     steps = [json.loads(line)["step"] for line in (tmp_path / "b.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, *range(resumed + 1, 7)]  # only steps after it ran twice
+    # only steps after the checkpoint ran twice; under load rank 0 may not have logged step 4
+    # before rank 1 died at the start of step 5
+    logged = steps[: len(steps) - (6 - resumed)]
+    assert logged in ([1, 2, 3, 4], [1, 2, 3]) and len(logged) >= resumed, steps
+    assert steps[len(logged) :] == list(range(resumed + 1, 7)), steps
     assert _losses(tmp_path / "b.jsonl") == _losses(tmp_path / "a.jsonl")  # bitwise
 
 
