@@ -117,20 +117,27 @@ class ModelSpec:
     @classmethod
     def load(cls, path: str | Path) -> ModelSpec:
         """Read a model from a YAML or JSON file."""
-        try:
-            text = Path(path).read_text()
-        except OSError as error:
-            raise ValueError(f"cannot read model file {path}: {error.strerror}") from None
-        try:
-            if str(path).endswith((".yaml", ".yml")):
-                import yaml
-
-                data = yaml.safe_load(text)
-            else:
-                data = json.loads(text)
-        except Exception as error:  # yaml.YAMLError or json.JSONDecodeError
-            raise ValueError(f"model file {path} does not parse: {error}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of model fields")
+        data = read_mapping(path, "model")
         data.setdefault("name", Path(path).stem)
         return cls.from_dict(data, str(path))
+
+
+def read_mapping(path: str | Path, what: str) -> dict:
+    """The mapping a YAML (``.yaml``/``.yml``) or JSON file holds, with errors that say which
+    ``what`` file (model, GPU) could not be read, parsed, or is not a mapping."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"cannot read {what} file {path}: {error.strerror}") from None
+    try:
+        if str(path).lower().endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as error:  # yaml.YAMLError or json.JSONDecodeError
+        raise ValueError(f"{what} file {path} does not parse: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of {what} fields")
+    return data

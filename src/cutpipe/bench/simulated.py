@@ -100,42 +100,38 @@ class SimulatedSetting:
             )
 
 
-def exposed_alltoall(schedule: Schedule, costs: Costs) -> list[float]:
-    """Per rank, the all-to-all seconds nothing hides (the simulator's own pair rule)."""
+def _alltoall_per_rank(schedule: Schedule, costs: Costs, hidden: bool) -> list[float]:
+    """Per rank, the all-to-all seconds of a step; with ``hidden``, only what an F&B pair does
+    not hide behind the other half's compute (the simulator's own pair rule)."""
     S = schedule.num_stages
     f, b, w, ep_f, ep_b = (costs.per_stage(n, S) for n in ("f", "b", "w", "ep_f", "ep_b"))
-    exposed = []
+    per_rank = []
     for ops in schedule.actions:
         total = 0.0
         for op in ops:
             if type(op) is Overlap:
                 fs, back = op.forward.stage, op.backward
-                grad = b[back.stage] + (w[back.stage] if back.kind == Kind.BW else 0.0)
-                total += max(0.0, ep_f[fs] + ep_b[back.stage] - (f[fs] + grad))
+                both = ep_f[fs] + ep_b[back.stage]
+                if hidden:
+                    grad = b[back.stage] + (w[back.stage] if back.kind == Kind.BW else 0.0)
+                    both = max(0.0, both - (f[fs] + grad))
+                total += both
             elif op.kind == Kind.F:
                 total += ep_f[op.stage]
             elif op.kind in (Kind.B, Kind.BW):
                 total += ep_b[op.stage]
-        exposed.append(total)
-    return exposed
+        per_rank.append(total)
+    return per_rank
+
+
+def exposed_alltoall(schedule: Schedule, costs: Costs) -> list[float]:
+    """Per rank, the all-to-all seconds nothing hides (the simulator's own pair rule)."""
+    return _alltoall_per_rank(schedule, costs, hidden=True)
 
 
 def alltoall_seconds(schedule: Schedule, costs: Costs) -> list[float]:
     """Per rank, every all-to-all second of a step, hidden in a pair or not."""
-    S = schedule.num_stages
-    ep_f, ep_b = costs.per_stage("ep_f", S), costs.per_stage("ep_b", S)
-    seconds = []
-    for ops in schedule.actions:
-        total = 0.0
-        for op in ops:
-            if type(op) is Overlap:
-                total += ep_f[op.forward.stage] + ep_b[op.backward.stage]
-            elif op.kind == Kind.F:
-                total += ep_f[op.stage]
-            elif op.kind in (Kind.B, Kind.BW):
-                total += ep_b[op.stage]
-        seconds.append(total)
-    return seconds
+    return _alltoall_per_rank(schedule, costs, hidden=False)
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -82,7 +82,8 @@ def stage_costs_of(setup: Setup, chunks: int = 1) -> Costs:
     items = model_items(setup.model, A100)
     per_stage = len(items) // (setup.ranks * chunks)
     comm = p2p_time(setup.model, A100, within_node=True)
-    return stage_costs(items, [per_stage] * (setup.ranks * chunks), comm, 32 / 34)
+    kept = 32 / 34  # the paper's memory model: W keeps 32h of a layer's 34h per token
+    return stage_costs(items, [per_stage] * (setup.ranks * chunks), comm, kept)
 
 
 def predicted_throughput(setup: Setup, schedule: str, microbatches: int) -> float:

@@ -19,10 +19,11 @@ fractions of their own peaks. Every preset's other figures are the vendor's data
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+
+from cutpipe.spec import read_mapping
 
 #: Fitted to the zero-bubble paper's profiled W passes on A100 (docs/plan.md, "Calibration").
 GEMM_EFFICIENCY = 0.837
@@ -160,21 +161,7 @@ def load_gpu(path: str | Path) -> Hardware:
     """A custom GPU from YAML or JSON: ``name`` and the keys of ``FILE_UNITS``; a key it lacks
     takes the ``base`` preset's value (``base: H100``), and without a base the five in
     ``REQUIRED`` must be given."""
-    try:
-        text = Path(path).read_text()
-    except OSError as error:
-        raise ValueError(f"cannot read GPU file {path}: {error.strerror}") from None
-    try:
-        if str(path).lower().endswith((".yaml", ".yml")):
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except Exception as error:  # yaml.YAMLError or json.JSONDecodeError
-        raise ValueError(f"GPU file {path} does not parse: {error}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of GPU figures")
+    data = read_mapping(path, "GPU")
     unknown = sorted(set(data) - set(FILE_UNITS) - {"name", "base"})
     if unknown:
         raise ValueError(

@@ -60,6 +60,16 @@ def overlapped_pairs(schedule: Schedule) -> int:
     return sum(sum(map((0).__gt__, ops)) for ops in schedule.codes)
 
 
+def _idle(makespan: float, busy: list[float], spans: list[float]) -> dict:
+    """Idle time per rank and the two bubble measures (see the module)."""
+    longest, least_busy = max(spans), min(busy)
+    return {
+        "idle_per_rank": [makespan - b for b in busy],
+        "bubble_ratio": (makespan - least_busy) / makespan if makespan else 0.0,
+        "bubble_ratio_span": (longest - least_busy) / longest if longest else 0.0,
+    }
+
+
 def metrics(timeline: Timeline, costs: Costs | None = None) -> Metrics:
     """Summarise a simulated or measured timeline; ``costs`` gives the memory and size model."""
     if not isinstance(timeline, Timeline):
@@ -74,8 +84,6 @@ def metrics(timeline: Timeline, costs: Costs | None = None) -> Metrics:
     makespan = timeline.makespan
     busy = [timeline.busy(r) for r in range(R)]
     spans = [timeline.span(r) for r in range(R)]
-    longest = max(spans)
-    least_busy = min(busy)
     sends = p2p_sends(schedule)
     alltoalls = 2 * S * m  # one per F and one per backward
     params = costs.params and list(costs.params)
@@ -86,10 +94,8 @@ def metrics(timeline: Timeline, costs: Costs | None = None) -> Metrics:
         microbatches=m,
         makespan=makespan,
         busy_per_rank=busy,
-        idle_per_rank=[makespan - b for b in busy],
         span_per_rank=spans,
-        bubble_ratio=(makespan - least_busy) / makespan if makespan else 0.0,
-        bubble_ratio_span=(longest - least_busy) / longest if longest else 0.0,
+        **_idle(makespan, busy, spans),
         peak_activations_per_rank=peak_activations(schedule, costs),
         params_per_rank=schedule.placement.parameter_shares(params),
         p2p_sends=sends,
@@ -121,7 +127,6 @@ def extrapolate(small: Metrics, large: Metrics, microbatches: int) -> Metrics:
     busy = grow_all(small.busy_per_rank, large.busy_per_rank)
     makespan = max(grow(small.makespan, large.makespan), *busy)  # never below the busiest
     spans = grow_all(small.span_per_rank, large.span_per_rank)
-    longest, least_busy = max(spans), min(busy)
     return Metrics(
         schedule=large.schedule,
         ranks=large.ranks,
@@ -129,10 +134,8 @@ def extrapolate(small: Metrics, large: Metrics, microbatches: int) -> Metrics:
         microbatches=microbatches,
         makespan=makespan,
         busy_per_rank=busy,
-        idle_per_rank=[makespan - b for b in busy],
         span_per_rank=spans,
-        bubble_ratio=(makespan - least_busy) / makespan if makespan else 0.0,
-        bubble_ratio_span=(longest - least_busy) / longest if longest else 0.0,
+        **_idle(makespan, busy, spans),
         peak_activations_per_rank=large.peak_activations_per_rank,
         params_per_rank=large.params_per_rank,
         p2p_sends=round(grow(small.p2p_sends, large.p2p_sends)),
