@@ -47,7 +47,9 @@ def test_boundary_shapes_and_dtypes_are_learned_and_relearned():
     assert first == third and first != second
 
 
-EMULATED = [(name, m) for name in ("1f1b", "zbh1", "zbv", "dualpipe", "dualpipev") for m in (8, 16)]
+#: Every kind of schedule at 8 microbatches, the V schedules also at 16 (a longer steady state).
+EMULATED = [*((name, 8) for name in ("1f1b", "zbh1", "zbv", "dualpipe", "dualpipev")),
+            ("zbv", 16), ("dualpipev", 16)]  # fmt: skip
 
 
 @pytest.mark.timeout(240)

@@ -16,7 +16,14 @@ from cutpipe.cli.common import (
     real,
 )
 from cutpipe.plan.bounds import v_bubble_lower_bound
-from cutpipe.plan.scheduler import FIXED, cost_aware, default_cap, within
+from cutpipe.plan.scheduler import (
+    DEFAULT_EVALUATIONS,
+    FIXED,
+    SEARCHED_OPS,
+    cost_aware,
+    default_cap,
+    within,
+)
 from cutpipe.schedule.fileformat import ENDINGS, save_schedule
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.sim.costs import MAX_COST, Costs
@@ -31,6 +38,19 @@ OBJECTIVES = {
 BALANCED_FOR = {"linear": "1f1b", "v": "zbv"}
 #: The most a ``--memory-cap-x`` may multiply the default cap by.
 MAX_CAP_FACTOR = 1e6
+#: What ``--frontier -o`` draws to.
+PICTURES = (".png", ".svg")
+
+
+def count_argument(text: str) -> int:
+    """An argparse ``type``: a whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
+    return value
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -84,15 +104,35 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--objective", choices=tuple(OBJECTIVES), default="makespan",
                         help="what to minimise: the step (makespan) or the span bubble")  # fmt: skip
+    parser.add_argument("--evaluations", type=count_argument, metavar="N",
+                        help="local-search budget, in simulated candidates (default "
+                        f"{DEFAULT_EVALUATIONS}, fewer above {SEARCHED_OPS // DEFAULT_EVALUATIONS:,} ops"
+                        "): the same command gives the same schedule on every machine")  # fmt: skip
+    parser.add_argument("--seed", type=count_argument, default=0,
+                        help="where the local search starts on each rank (default 0)")  # fmt: skip
     parser.add_argument("--seconds", type=real(0.0, exclusive=False, unit="seconds"),
-                        default=1.0, help="local-search budget")  # fmt: skip
+                        help="also stop the local search after this long (then the result "
+                        "depends on the machine; 0: no local search)")  # fmt: skip
+    parser.add_argument(
+        "--frontier",
+        action="store_true",
+        help="sweep caps from 1x to 2x 1F1B's peak on both placements (--costs per V stage; a "
+        "linear stage is two) and print the best span bubble at each, with the lower bounds "
+        "and the fixed schedules at their peaks; -o draws it (.png, .svg)",
+    )
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="also solve the problem exactly (OR-Tools CP-SAT, pip install 'cutpipe[exact]'; "
+        "small shapes only) and report the optimum beside the search",
+    )
     parser.add_argument(
         "-o",
         "--output",
-        type=output_file(tuple(ENDINGS)),
+        type=output_file(tuple(ENDINGS) + PICTURES),
         metavar="FILE",
         help="write the tuned schedule: .json (cutpipe's format, for --from in simulate, draw, "
-        "compare and train) or .csv (torch's)",
+        "compare and train) or .csv (torch's); with --frontier, its picture (.png, .svg)",
     )
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
     parser.set_defaults(run=run)
@@ -151,6 +191,14 @@ def planned_costs(args: argparse.Namespace) -> tuple[Costs, Planned]:
 
 def run(args: argparse.Namespace) -> int:
     R, m = args.ranks, args.microbatches
+    picture = args.output is not None and args.output.suffix.lower() in PICTURES
+    if args.frontier:
+        return run_frontier(args)
+    if picture:
+        raise ValueError(
+            f"-o {args.output}: a picture is drawn for --frontier only; a tuned schedule is "
+            "written as .json or .csv"
+        )
     if args.memory_cap is not None and args.memory_cap_x is not None:
         raise ValueError(
             "give the cap once: --memory-cap A (absolute, in the units of the costs' activation) "
@@ -170,9 +218,16 @@ def run(args: argparse.Namespace) -> int:
         cap = args.memory_cap_x * default
     else:
         cap = args.memory_cap if args.memory_cap is not None else default
-    tuned = cost_aware(args.placement, R, m, costs, cap, OBJECTIVES[args.objective],
-                       args.seconds)  # fmt: skip
+    objective = OBJECTIVES[args.objective]
+    tuned = cost_aware(args.placement, R, m, costs, cap, objective, args.seconds,
+                       args.evaluations, args.seed)  # fmt: skip
     rows = [(tuned.name, metrics(simulate(tuned, costs), costs))]
+    if args.exact:
+        from cutpipe.plan.exact import exact_schedule
+
+        solved = exact_schedule(args.placement, R, m, costs, cap, args.objective)
+        label = "exact (optimal)" if solved.optimal else "exact (best found, not proven)"
+        rows.append((label, metrics(simulate(solved.schedule, costs), costs)))
     for name in FIXED[args.placement]:
         info = schedule_info(name)
         if info.accepts(R, m):
@@ -236,3 +291,63 @@ def print_table(args: argparse.Namespace, rows: list, cap: float, planned: Plann
     if floor is not None:
         console.print(f"No V schedule has a span bubble below {floor:.6f} with these costs and this "
                       "cap (cutpipe.plan.bounds).")  # fmt: skip
+
+
+def run_frontier(args: argparse.Namespace) -> int:
+    """``tune --frontier``: the best span bubble at every cap from 1x to 2x, both placements."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from cutpipe.plan.frontier import frontier, marks
+
+    for option, given in (("--memory-cap", args.memory_cap), ("--memory-cap-x", args.memory_cap_x),
+                          ("--model", args.model), ("--profile", args.profile),
+                          ("--exact", args.exact or None)):  # fmt: skip
+        if given is not None:
+            raise ValueError(
+                f"--frontier sweeps its own caps from --costs (per V stage): drop {option}"
+            )
+    if args.output is not None and args.output.suffix.lower() not in PICTURES:
+        raise ValueError(f"-o {args.output}: --frontier draws a picture, .png or .svg")
+    R, m, costs = args.ranks, args.microbatches, args.costs
+    console = Console(stderr=True)
+    with console.status("frontier") as status:
+        points = frontier(R, m, costs, evaluations=args.evaluations, seed=args.seed,
+                          progress=lambda text: status.update(f"frontier: {text}"))  # fmt: skip
+    fixed = marks(R, m, costs)
+    if args.json:
+        print_json({
+            "points": [{"placement": p.placement, "memory_x": p.factor, "bubble_span": p.bubble,
+                        "makespan": p.makespan, "peak_x": p.peak, "lower_bound": p.bound}
+                       for p in points],
+            "fixed": [{"schedule": f.name, "placement": f.placement, "peak_x": f.peak,
+                       "bubble_span": f.bubble} for f in fixed],
+        })  # fmt: skip
+    else:
+        table = Table(title=f"span bubble against memory, R={R}, m={m} (memory x 1F1B's peak)")
+        for column in ("memory", "linear", "linear bound", "v", "v bound", "fixed schedules here"):
+            table.add_column(
+                column, justify="right" if column != "fixed schedules here" else "left"
+            )
+        by = {(p.placement, p.factor): p for p in points}
+        factors = sorted({p.factor for p in points})
+        for i, factor in enumerate(factors):
+            upper = factors[i + 1] if i + 1 < len(factors) else float("inf")
+            here = [f"{f.name} {f.bubble:.4f} ({f.peak:g}x)" for f in fixed
+                    if factor <= f.peak + 1e-9 < upper]  # fmt: skip
+            cells = []
+            for placement in ("linear", "v"):
+                point = by.get((placement, factor))
+                cells += [f"{point.bubble:.4f}", f"{point.bound:.4f}"] if point else ["-", "-"]
+            table.add_row(f"{factor:g}x", *cells, ", ".join(here))
+        Console().print(table)
+    if args.output is not None:
+        from cutpipe.viz.frontier import save_frontier
+
+        lines = {pl: [(p.factor, p.bubble) for p in points if p.placement == pl]
+                 for pl in ("linear", "v")}  # fmt: skip
+        bounds = {pl: [(p.factor, p.bound) for p in points if p.placement == pl]
+                  for pl in ("linear", "v")}  # fmt: skip
+        save_frontier(lines, bounds, [(f.name, f.placement, f.peak, f.bubble) for f in fixed],
+                      args.output, f"R={R}, m={m}")  # fmt: skip
+    return 0

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from cutpipe.plan.cooldown import settle_cooldown
@@ -45,11 +46,46 @@ class Policy:
     later_chunk_first: bool  # on a V: prefer the chunk nearer the loss (stage 2R-1-r)
     lookahead: bool  # do not start work if more urgent work arrives before it would end
     w_before_f: bool  # run pending W before a ready F (keeps memory low, as ZB-V's steady state)
+    warmup: bool = False  # before its first B a rank runs an F only if it ends before that B
+    # can arrive (``round_trips``): a warm-up F that ends later only delays the first gradient
+    patient_tail: bool = False  # after its last F a rank waits for an arriving B rather than
+    # start a W that would delay it, while its idle time stays within the most any rank has
+    # idled (a span is work plus idle: only the longest counts)
 
 
-POLICIES = tuple(
-    Policy(a, b, c) for a in (True, False) for b in (True, False) for c in (False, True)
-)
+def round_trips(placement: Placement, costs: Costs) -> list[float]:
+    """Per rank: from the start of its first forward to the earliest its first gradient can
+    arrive, if nothing else holds up that microbatch on its way to the loss and back."""
+    S, c = placement.num_stages, costs.comm
+    f = [x + e for x, e in zip(costs.per_stage("f", S), costs.per_stage("ep_f", S), strict=True)]
+    b = [x + e for x, e in zip(costs.per_stage("b", S), costs.per_stage("ep_b", S), strict=True)]
+    owner = placement.pipes[0]
+    starts, ready = [0.0] * S, [0.0] * S
+    for s in range(1, S):
+        starts[s] = starts[s - 1] + f[s - 1] + (c if owner[s] != owner[s - 1] else 0.0)
+    ready[S - 1] = starts[S - 1] + f[S - 1]
+    for s in range(S - 2, -1, -1):
+        ready[s] = ready[s + 1] + b[s + 1] + (c if owner[s] != owner[s + 1] else 0.0)
+    trips = [math.inf] * placement.num_ranks
+    first = [math.inf] * placement.num_ranks
+    for s in range(S):
+        first[owner[s]] = min(first[owner[s]], starts[s])
+        trips[owner[s]] = min(trips[owner[s]], ready[s])
+    return [t - a for t, a in zip(trips, first, strict=True)]
+
+
+def policies(placement: str) -> tuple[Policy, ...]:
+    """The list-scheduling policies tried on ``placement``: chunk order only matters on a V;
+    patience only without lookahead (which waits anyway); the warm-up rule only on a linear
+    placement (on a V it left ranks waiting forever in every case tried)."""
+    return tuple(
+        Policy(chunk, lookahead, w_first, warmup, patient)
+        for chunk in ((True, False) if placement == "v" else (True,))
+        for warmup in ((False, True) if placement == "linear" else (False,))
+        for lookahead in (True, False)
+        for w_first in (False, True)
+        for patient in ((False,) if lookahead else (False, True))
+    )
 
 
 #: How far over the cap a memory figure may be and still fit: rounding only. Per-stage
@@ -90,6 +126,11 @@ def list_schedule(
     ready_b: list[list[tuple[float, int, int]]] = [[] for _ in range(R)]  # (arrival, stage, mb)
     pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(R)]
     memory = [0.0] * R
+    trips = round_trips(placement, costs)
+    first_forward: list[float | None] = [None] * R  # when each rank started its first F
+    warm = [True] * R  # no B run yet
+    idle = [0.0] * R  # per rank: time spent waiting since its first op
+    free_at: list[float | None] = [None] * R  # when the rank's last op ends
     remaining = [3 * m * len(chunks[r]) for r in range(R)]
     ready = ranks.ready  # when each op's input is on its rank
 
@@ -118,6 +159,22 @@ def list_schedule(
         """With lookahead, when the next more urgent work arrives (None: nothing known)."""
         return min(arrivals(rank, now, below), default=None) if policy.lookahead else None
 
+    def warming_too_long(rank: int, now: float, stage: int) -> bool:
+        """With the warm-up rule: an F that would end after ``rank``'s first B can arrive."""
+        started = first_forward[rank]
+        if not policy.warmup or not warm[rank] or started is None:
+            return False
+        return now + f[stage] + ep_f[stage] > started + trips[rank]
+
+    def patient(rank: int, now: float, weight: float) -> bool:
+        """Whether ``rank`` should leave a W of ``weight`` for a B that arrives during it."""
+        if not policy.patient_tail or not ready_b[rank]:
+            return False
+        if any(next_f[s] < m for s in chunks[rank]):  # not in the tail yet
+            return False
+        wait = ready_b[rank][0][0] - now
+        return 0 < wait < weight and idle[rank] + wait <= max(idle)
+
     def decide(rank: int, now: float) -> tuple[int, int, int] | None:
         """The op ``rank`` starts at ``now``, or None to wait."""
         if ready_b[rank] and ready_b[rank][0][0] <= now:
@@ -129,13 +186,15 @@ def list_schedule(
         for priority, stage in enumerate(chunks[rank], start=1):
             at = ready[next_code[stage]] if next_f[stage] < m else None
             if at is not None and at <= now and fits(rank, stage):
+                if warming_too_long(rank, now, stage):
+                    continue
                 urgent = due(rank, now, priority)
                 if urgent is None or urgent >= now + f[stage] + ep_f[stage]:
                     return (F_CODE, stage, next_f[stage])
         if pending_w[rank]:
             stage, mb = pending_w[rank][0]
             urgent = due(rank, now)
-            if urgent is None or urgent >= now + w[stage]:
+            if (urgent is None or urgent >= now + w[stage]) and not patient(rank, now, w[stage]):
                 pending_w[rank].popleft()
                 return (W_CODE, stage, mb)
         return None
@@ -168,6 +227,8 @@ def list_schedule(
             end = now + f[stage] + ep_f[stage]
             memory[r] += activation[stage]
             in_flight[stage] += 1
+            if first_forward[r] is None:
+                first_forward[r] = now
             next_f[stage] += 1
             next_code[stage] = codec.action(F_CODE, stage, next_f[stage])
             f_done[stage][mb] = True
@@ -178,11 +239,15 @@ def list_schedule(
             end = now + b[stage] + ep_b[stage]
             memory[r] -= (1 - kept) * activation[stage]
             in_flight[stage] -= 1
+            warm[r] = False
             pending_w[r].append((stage, mb))
         else:
             code = codec.action(kind, stage, mb)
             end = now + w[stage]
             memory[r] -= kept * activation[stage]
+        if free_at[r] is not None:
+            idle[r] += now - free_at[r]
+        free_at[r] = end
         ranks.place(r, code, end)
         if kind != W_CODE:
             backward_ready(produced(kind, stage, mb))
@@ -275,46 +340,100 @@ def fill_weights(base: Schedule, costs: Costs, cap: float, patient: bool) -> Sch
     return Schedule(f"{base.name}+w", placement, m, tuple(tuple(o) for o in ranks.orders))
 
 
+#: How far ``improve`` tries to move a W pass later in one move.
+W_DELAYS = 8
+
+
+def _moves(ops: tuple[int, ...], first: int) -> Iterator[list[int]]:
+    """Neighbours of one rank's order: each op swapped with the next, and each W pass moved up
+    to ``W_DELAYS`` places later (a W that waits keeps its memory but frees its slot for a B
+    that someone downstream is waiting for; adjacent swaps alone cross that plateau badly)."""
+    n = len(ops) - 1
+    for offset in range(n):
+        k = (first + offset) % n
+        swapped = list(ops)
+        swapped[k], swapped[k + 1] = swapped[k + 1], swapped[k]
+        yield swapped
+        if ops[k] >= 0 and ops[k] & KIND_MASK == W_CODE:
+            for later in range(k + 2, min(len(ops), k + 1 + W_DELAYS)):
+                moved = [*ops[:k], *ops[k + 1 : later + 1], ops[k], *ops[later + 1 :]]
+                yield moved
+
+
+def _passes_done(schedule: Schedule, timeline) -> float:
+    """The sum of the ends of every F and B (W passes left out): a tie-break for the local
+    search. Among orders of equal objective it prefers those that get the critical passes done
+    sooner, which is how it crosses plateaus that two moves on two ranks would cross together."""
+    return sum(
+        end
+        for ops, ends in zip(schedule.codes, timeline.ends, strict=True)
+        for code, end in zip(ops, ends, strict=True)
+        if code < 0 or code & KIND_MASK != W_CODE
+    )
+
+
 def improve(
-    schedule: Schedule, costs: Costs, cap: float, score: Callable, seconds: float,
-    evaluations: int | None = None,
+    schedule: Schedule, costs: Costs, cap: float, score: Callable, evaluations: int,
+    seconds: float | None = None, seed: int = 0,
 ) -> Schedule:  # fmt: skip
-    """Local search: swap neighbouring ops of a rank when the simulator says the step gets
-    faster and the order stays valid and under the cap; longest-span ranks first (they set
-    the step), first improvement wins, until a sweep finds none, ``seconds`` run out or
-    ``evaluations`` candidates have been simulated (for a result that does not depend on the
-    machine's speed)."""
-    deadline = time.monotonic() + seconds
-    budget = evaluations if evaluations is not None else float("inf")
+    """Local search: swap neighbouring ops of a rank, or move a W later (``_moves``), when the
+    simulator says the step gets faster (or stays as fast with its F and B passes done sooner,
+    ``_passes_done``) and the order stays valid and under the cap;
+    longest-span ranks first (they set the step), first improvement wins, until a sweep finds
+    none or ``evaluations`` candidates have been simulated. The budget is a count, so the
+    result does not depend on the machine; ``seconds`` may bound it too (then it does).
+    ``seed`` picks where each rank's sweep starts.
+    """
+    deadline = math.inf if seconds is None else time.monotonic() + seconds
+    budget = evaluations
+    rng = random.Random(seed)
     best = schedule
-    best_result = metrics(simulate(best, costs), costs)
-    best_score = score(best_result)
+    timeline = simulate(best, costs)
+    best_result = metrics(timeline, costs)
+    best_score = (score(best_result), _passes_done(best, timeline))
     improved = True
     while improved and time.monotonic() < deadline and budget > 0:
         improved = False
         ranks = sorted(range(best.num_ranks), key=lambda r: -best_result.span_per_rank[r])
         for rank in ranks:
-            k = 0
-            while k < len(best.codes[rank]) - 1 and time.monotonic() < deadline and budget > 0:
+            ops = best.codes[rank]
+            if len(ops) < 2:
+                continue
+            for order in _moves(ops, rng.randrange(len(ops) - 1)):
+                if time.monotonic() >= deadline or budget <= 0:
+                    break
                 budget -= 1
-                ops = list(best.codes[rank])
-                ops[k], ops[k + 1] = ops[k + 1], ops[k]
-                codes = (*best.codes[:rank], tuple(ops), *best.codes[rank + 1 :])
+                codes = (*best.codes[:rank], tuple(order), *best.codes[rank + 1 :])
                 candidate = Schedule(best.name, best.placement, best.num_microbatches, codes)
-                k += 1
                 try:
-                    result = metrics(simulate(candidate, costs), costs)
-                except ValueError:  # the swap broke a dependency
+                    timeline = simulate(candidate, costs)
+                except ValueError:  # the move broke a dependency
                     continue
-                if (
-                    within(max(result.peak_activations_per_rank), cap)
-                    and score(result) < best_score
-                ):
-                    best, best_result, best_score, improved = candidate, result, score(result), True
+                result = metrics(timeline, costs)
+                if not within(max(result.peak_activations_per_rank), cap):
+                    continue
+                value = (score(result), _passes_done(candidate, timeline))
+                if value < best_score:
+                    best, best_result, best_score, improved = candidate, result, value, True
+                    break  # this rank's order changed: sweep it again from the new order
     return best
 
 
 REFILLED = 3  # how many of the best bases get their W passes re-placed
+#: Local-search simulations ``cost_aware`` runs by default: a count, so results are the same on
+#: every machine; fewer for large shapes, so that they simulate about ``SEARCHED_OPS`` ops.
+DEFAULT_EVALUATIONS = 100
+SEARCHED_OPS = 500_000
+#: Up to this many ops the three best candidates get their cool-downs settled, above it the best.
+SETTLED_OPS = 20_000
+
+
+def default_evaluations(stages: int, microbatches: int) -> int:
+    """``DEFAULT_EVALUATIONS``, or as many as simulate ``SEARCHED_OPS`` ops (at least 10)."""
+    ops = 3 * stages * microbatches
+    return max(10, min(DEFAULT_EVALUATIONS, SEARCHED_OPS // ops))
+
+
 #: The most ops a cost-aware search schedules: it simulates dozens of whole candidates, about
 #: half a minute at the limit (R = 32, m = 1024 on a V is 196,608 ops).
 MAX_SEARCHED_OPS = 200_000
@@ -338,9 +457,22 @@ def smallest_cap(placement: Placement, costs: Costs) -> float:
     )
 
 
+def _fits_start(start: Schedule, kind: Placement, m: int, costs: Costs, cap: float) -> bool:
+    """Whether ``start`` is a schedule of this shape whose peak fits ``cap``."""
+    if not isinstance(start, Schedule):
+        raise TypeError(f"cost_aware: start must be a Schedule or None, got {start!r}")
+    if start.placement != kind or start.num_microbatches != m:
+        raise ValueError(
+            f"cost_aware: start is a {start.placement.kind} schedule of "
+            f"{start.placement.num_ranks} ranks and {start.num_microbatches} microbatches, not "
+            f"{kind.kind} on {kind.num_ranks} ranks with {m}"
+        )
+    return within(max(peak_activations(start, costs)), cap)
+
+
 def check_search(
     placement: str, ranks: int, microbatches: int, costs: Costs, memory_cap: float | None,
-    search_seconds: float,
+    search_seconds: float | None,
 ) -> None:  # fmt: skip
     """A TypeError or ValueError naming the argument ``cost_aware`` cannot use, before any work."""
     if placement not in ("linear", "v"):
@@ -350,7 +482,7 @@ def check_search(
     if not isinstance(costs, Costs):
         raise TypeError(f"cost_aware: costs must be a Costs, got {costs!r}")
     for label, value in (("memory_cap", memory_cap), ("search_seconds", search_seconds)):
-        if value is None and label == "memory_cap":
+        if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"cost_aware: {label} must be a number, got {value!r}")
@@ -372,8 +504,10 @@ def cost_aware(
     costs: Costs,
     memory_cap: float | None = None,
     objective: Callable | None = None,
-    search_seconds: float = 1.0,
+    search_seconds: float | None = None,
     search_evaluations: int | None = None,
+    seed: int = 0,
+    start: Schedule | None = None,
 ) -> Schedule:
     """The fastest schedule found for these costs whose activation peak stays under the cap.
 
@@ -383,12 +517,21 @@ def cost_aware(
     ``default_cap``, 1F1B's peak (R stage activations; on a V, R full-size ones; per stage,
     the largest stage's). ``objective`` maps a simulated ``Metrics`` to what to minimise
     (default: the makespan, then the span bubble). Candidates:
-    the list schedules of every policy, the fixed orders that fit the cap, each of them with
-    its W passes re-placed; the best gets its cool-down settled (``plan.cooldown``), then
-    ``search_seconds`` of local search (at most ``search_evaluations`` simulations, if given),
-    then its cool-down settled again.
+    the list schedules of every policy, the fixed orders that fit the cap, ``start`` if it
+    fits (the best at a tighter cap: so a larger cap is never worse), the best of them with
+    their W passes re-placed; the best three (the best, above ``SETTLED_OPS`` ops) get their
+    cool-downs settled (``plan.cooldown``),
+    the best of those ``search_evaluations`` simulations of local search (default:
+    ``default_evaluations``; seeded by ``seed``;
+    ``search_seconds`` bounds it in time if given, 0 skips it), then its cool-down settled
+    again. Without a time bound the same call gives the same schedule on every machine.
     """
     check_search(placement, ranks, microbatches, costs, memory_cap, search_seconds)
+    stages = ranks * (2 if placement == "v" else 1)
+    if search_evaluations is None:
+        search_evaluations = default_evaluations(stages, microbatches)
+    count(search_evaluations, "cost_aware: search_evaluations", least=0)
+    count(seed, "cost_aware: seed", least=0)
     kind = _placement(placement, ranks)
     cap = memory_cap if memory_cap is not None else default_cap(placement, ranks, costs)
     smallest = smallest_cap(kind, costs)
@@ -402,12 +545,11 @@ def cost_aware(
     def rank(schedule: Schedule) -> tuple:
         return score(metrics(simulate(schedule, costs), costs))
 
-    # on a linear placement a rank has one chunk, so chunk order does not matter
-    policies = POLICIES if placement == "v" else [p for p in POLICIES if p.later_chunk_first]
-    steps = len(policies) + len(FIXED[placement]) + 2 * REFILLED + 2
+    tried = policies(placement)
+    steps = len(tried) + len(FIXED[placement]) + 2 * REFILLED + 2
     with progress(f"cost-aware search ({placement}, R={ranks}, m={microbatches})", steps) as tick:
         bases, failure = [], None
-        for policy in policies:
+        for policy in tried:
             try:
                 bases.append(list_schedule(kind, microbatches, costs, cap, policy))
             except ValueError as error:  # this policy starved a rank; others may not
@@ -420,6 +562,8 @@ def cost_aware(
                 if within(max(peak_activations(fixed, costs)), cap):
                     bases.append(fixed)
             tick(status="fixed orders")
+        if start is not None and _fits_start(start, kind, microbatches, costs, cap):
+            bases.append(start)
         if not bases:
             raise failure or ValueError(f"no schedule fits the activation memory cap {cap:g}")
         scored = sorted((rank(base), index, base) for index, base in enumerate(bases))
@@ -430,11 +574,13 @@ def cost_aware(
                 if within(max(peak_activations(filled, costs)), cap):
                     candidates.append((rank(filled), filled))
                 tick(status="weight passes")
-        best = min(candidates, key=lambda candidate: candidate[0])[1]
-        best = settle_cooldown(best, costs, score)
+        candidates.sort(key=lambda candidate: candidate[0])
+        few = REFILLED if 3 * stages * microbatches <= SETTLED_OPS else 1  # settling is slow
+        settled = [settle_cooldown(base, costs, score) for _, base in candidates[:few]]
+        best = min(settled, key=rank)
         tick(status="cool-down")
-        if search_seconds > 0:
-            searched = improve(best, costs, cap, score, search_seconds, search_evaluations)
+        if search_evaluations > 0 and search_seconds != 0:
+            searched = improve(best, costs, cap, score, search_evaluations, search_seconds, seed)
             if searched is not best:
                 best = settle_cooldown(searched, costs, score)
         tick(status="local search")
