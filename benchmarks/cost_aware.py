@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cutpipe.plan.bounds import span_bubble, v_bubble_lower_bound, warmup_span_lower_bound
-from cutpipe.plan.scheduler import FIXED, _placement, cost_aware, default_cap
+from cutpipe.plan.scheduler import FIXED, cost_aware, default_cap, placement_for
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.memory import peak_activations
@@ -35,7 +35,7 @@ SETTINGS = [  # placement, R, m, costs, caps as multiples of 1F1B's peak
 
 
 def lower_bound(placement: str, R: int, m: int, costs: Costs, cap: float) -> float:
-    kind = _placement(placement, R)
+    kind = placement_for(placement, R)
     bound = span_bubble(warmup_span_lower_bound(kind, m, costs, cap), kind, m, costs)
     if placement == "v":
         bound = max(bound, v_bubble_lower_bound(R, m, costs, cap))

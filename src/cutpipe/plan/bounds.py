@@ -91,6 +91,10 @@ def warmup_span_lower_bound(placement: Placement, microbatches: int, costs: Cost
     count(microbatches, "warm-up bound: microbatches")
     if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
         raise ValueError(f"cap must be a positive finite number of activations, got {cap!r}")
+    if placement.num_pipes != 1:
+        raise ValueError("the warm-up bound follows one pipe; a bidirectional placement has two")
+    if costs.fb is not None:
+        raise ValueError(f"the warm-up bound counts an F&B pair as F then B; fb={costs.fb}")
     S = placement.num_stages
     f, b, w, ep_f, ep_b, activation = (
         costs.per_stage(name, S) for name in ("f", "b", "w", "ep_f", "ep_b", "activation")

@@ -16,7 +16,8 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from cutpipe.plan.bounds import span_bubble, v_bubble_lower_bound, warmup_span_lower_bound
-from cutpipe.plan.scheduler import _placement, cost_aware, default_cap
+from cutpipe.plan.scheduler import cost_aware, default_cap, placement_for
+from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
@@ -82,7 +83,7 @@ def frontier(
     for placement in placements:
         costs = placement_costs(chunk, placement)
         base = default_cap(placement, ranks, costs)
-        kind = _placement(placement, ranks)
+        kind = placement_for(placement, ranks)
         best = None
         for factor in factors:
             cap = factor * base
@@ -97,7 +98,10 @@ def frontier(
     return points
 
 
-def _bound(kind, microbatches: int, costs: Costs, cap: float) -> float:
+def _bound(kind: Placement, microbatches: int, costs: Costs, cap: float) -> float:
+    """The larger of the warm-up bound and, on a V, the V bound (as a span bubble)."""
+    if costs.fb is not None:  # an overlapped pair may beat F then B: no bound holds
+        return 0.0
     bound = span_bubble(warmup_span_lower_bound(kind, microbatches, costs, cap), kind,
                         microbatches, costs)  # fmt: skip
     if kind.kind == "v":

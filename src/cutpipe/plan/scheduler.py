@@ -6,11 +6,13 @@ ranks advance in simulated time; a free rank runs a B whose gradient has arrived
 critical path), else an F whose input has arrived if its activation fits under the memory cap,
 else a deferred W (which fills what would be a bubble), else it waits for the next arrival.
 
-A few policies are tried (which chunk's F and B go first on a V, whether a W may start when a B
-is due during it) and every candidate, together with the fixed orders that respect the cap, is
-timed by the simulator; the fastest wins. So the result is never slower than the fixed orders.
-The winner's cool-down is then re-sequenced by critical path (``plan.cooldown``), which is what
-takes ZB-V at the zero-bubble paper's setting to the lower bound of ``plan.bounds``.
+A few policies are tried (``policies``: which chunk's F and B go first on a V, whether a W may
+start when a B is due during it, a warm-up rule, patience in the tail) and every candidate,
+together with the fixed orders that respect the cap, is timed by the simulator; the fastest
+wins. So the result is never slower than the fixed orders. The best few get their cool-downs
+re-sequenced by critical path (``plan.cooldown``), which is what takes ZB-V at the zero-bubble
+paper's setting to the lower bound of ``plan.bounds``, and the best of those a local search
+whose budget is a count of simulations (``improve``), so results repeat on every machine.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from cutpipe.sim.costs import PER_STAGE, Costs
 from cutpipe.sim.memory import peak_activations
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
+from cutpipe.sim.timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,8 @@ def within(memory: float, cap: float) -> bool:
     return memory <= cap + CAP_SLACK * max(1.0, abs(cap))
 
 
-def _placement(kind: str, ranks: int) -> Placement:
+def placement_for(kind: str, ranks: int) -> Placement:
+    """The placement ``cost_aware`` means by ``kind``: "linear" or "v"."""
     if kind == "linear":
         return Placement.linear(ranks)
     if kind == "v":
@@ -360,7 +364,7 @@ def _moves(ops: tuple[int, ...], first: int) -> Iterator[list[int]]:
                 yield moved
 
 
-def _passes_done(schedule: Schedule, timeline) -> float:
+def _passes_done(schedule: Schedule, timeline: Timeline) -> float:
     """The sum of the ends of every F and B (W passes left out): a tie-break for the local
     search. Among orders of equal objective it prefers those that get the critical passes done
     sooner, which is how it crosses plateaus that two moves on two ranks would cross together."""
@@ -532,7 +536,7 @@ def cost_aware(
         search_evaluations = default_evaluations(stages, microbatches)
     count(search_evaluations, "cost_aware: search_evaluations", least=0)
     count(seed, "cost_aware: seed", least=0)
-    kind = _placement(placement, ranks)
+    kind = placement_for(placement, ranks)
     cap = memory_cap if memory_cap is not None else default_cap(placement, ranks, costs)
     smallest = smallest_cap(kind, costs)
     if not within(smallest, cap):
