@@ -176,10 +176,14 @@ def test_errors_say_what_to_change(args, error, match):
         exact_schedule(*args)
 
 
-def test_without_ortools_says_what_to_install(monkeypatch):
+def test_without_ortools_says_what_to_install(monkeypatch, capsys):
+    from cutpipe.cli.main import USAGE_ERROR, main
+
     monkeypatch.setitem(sys.modules, "ortools.sat.python", None)
     with pytest.raises(ImportError, match=r'pip install "cutpipe\[exact\]"'):
         exact_schedule("linear", 2, 2, UNIT)
+    assert main(["tune", "--placement", "linear", "-r", "2", "-m", "2", "--exact"]) == USAGE_ERROR
+    assert 'pip install "cutpipe[exact]"' in capsys.readouterr().err
 
 
 def _grid() -> list[tuple]:

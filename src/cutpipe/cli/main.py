@@ -183,9 +183,20 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_ERROR if _is_user_error(error) else BUG
 
 
+#: Optional packages whose absence is the user's to fix (``pip install "cutpipe[...]"``).
+OPTIONAL_PACKAGES = ("ortools",)
+
+
 def _is_user_error(error: Exception) -> bool:
     """Bad input or a missing package: the user can fix it (exit 2), unlike a bug (exit 1)."""
-    return isinstance(error, (ValueError, TypeError, OSError)) or _is_missing_torch(error)
+    missing_optional = isinstance(error, ImportError) and (
+        (error.name or "").split(".")[0] in OPTIONAL_PACKAGES
+    )
+    return (
+        isinstance(error, (ValueError, TypeError, OSError))
+        or _is_missing_torch(error)
+        or missing_optional
+    )
 
 
 #: Failures of a run that say what happened (a rank died or hung, a checkpoint could not be

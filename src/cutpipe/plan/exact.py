@@ -164,7 +164,9 @@ def exact_schedule(
     try:
         from ortools.sat.python import cp_model
     except ImportError as error:
-        raise ImportError('exact schedules need OR-Tools: pip install "cutpipe[exact]"') from error
+        raise ImportError(
+            'exact schedules need OR-Tools: pip install "cutpipe[exact]"', name="ortools"
+        ) from error
     kind, cap = _check(placement, ranks, microbatches, costs, memory_cap, objective, max_ops)
     S, m, owner = kind.num_stages, microbatches, kind.pipes[0]
     hops = sum(owner[s] != owner[s + 1] for s in range(S - 1))
