@@ -102,25 +102,22 @@ def test_fsdp_replicas_follow_one_process_and_resume_bitwise(model_file, tmp_pat
 
 @pytest.mark.timeout(300)
 def test_full_recompute_halves_the_activation_peak_at_equal_losses(model_file):
-    peaks, losses = {}, {}
-    for mode in ("none", "full"):
-        ranks = run(
-            workers.train_rank, 2, (options(model_file, "zbv", steps=2, recompute=mode),),
-            timeout=240,
-        )  # fmt: skip
-        peaks[mode] = max(r["records"][-1]["peak_activation_bytes"] for r in ranks)
-        losses[mode] = ranks[0]["losses"]
+    modes = ("none", "full")
+    runs = [options(model_file, "zbv", steps=2, recompute=mode) for mode in modes]
+    ranks = run(workers.train_runs, 2, (runs,), timeout=240)
+    peaks = {mode: max(r[i]["records"][-1]["peak_activation_bytes"] for r in ranks)
+             for i, mode in enumerate(modes)}  # fmt: skip
+    losses = {mode: ranks[0][i]["losses"] for i, mode in enumerate(modes)}
     assert losses["full"] == pytest.approx(losses["none"], rel=1e-6)
     assert peaks["none"] >= 2 * peaks["full"], peaks
 
 
 @pytest.mark.timeout(300)
 def test_bf16_autocast_tracks_fp32(model_file):
-    runs = {
-        dtype: run(workers.train_rank, 2, (options(model_file, "dualpipev", steps=3, dtype=dtype),),
-                   timeout=240)[0]["losses"]
-        for dtype in ("fp32", "bf16")
-    }  # fmt: skip
+    dtypes = ("fp32", "bf16")
+    settings = [options(model_file, "dualpipev", steps=3, dtype=dtype) for dtype in dtypes]
+    first = run(workers.train_runs, 2, (settings,), timeout=240)[0]
+    runs = {dtype: first[i]["losses"] for i, dtype in enumerate(dtypes)}
     assert runs["bf16"] != runs["fp32"]  # the forwards really ran in bf16
     assert runs["bf16"] == pytest.approx(runs["fp32"], rel=3e-2)
 
