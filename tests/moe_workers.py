@@ -141,11 +141,16 @@ def _interleaved(trace: list[tuple[str, str]]) -> int:
     return count
 
 
-def emulated_pairs(rank: int, world: int, layers: int, costs: dict, m: int) -> dict:
-    """DualPipeV on one pipeline rank x EP ``world``, phases that sleep: F&B pair durations."""
+def emulated_pairs(rank: int, world: int, layers: int, costs: list[dict], m: int) -> list[dict]:
+    """DualPipeV on one pipeline rank x EP ``world``, phases that sleep: F&B pair durations for
+    each of ``costs``, in one launch."""
+    mesh = build_mesh(1, world)
+    return [_pair_times(mesh, world, layers, each, m) for each in costs]
+
+
+def _pair_times(mesh, world: int, layers: int, costs: dict, m: int) -> dict:
     from cutpipe.models.emulated_moe import EmulatedMoEStage, PhaseCosts
 
-    mesh = build_mesh(1, world)
     phase_costs = PhaseCosts(**costs)
     schedule = generate("dualpipev", 1, m)
     measured = {}

@@ -78,9 +78,9 @@ def test_the_overlap_hook_gives_the_gradients_of_the_pair_run_one_after_the_othe
 @pytest.mark.timeout(90)
 def test_an_overlapped_pair_takes_about_max_of_compute_and_communication_in_emulation():
     layers = 2
-    for exchange in (0.01, 0.02):  # communication below and above compute
-        costs = {"route": 0.01, "experts": 0.01, "exchange": exchange}
-        result = run(workers.emulated_pairs, 2, (layers, costs, 6), timeout=40)[0]
+    exchanges = (0.01, 0.02)  # communication below and above compute
+    costs = [{"route": 0.01, "experts": 0.01, "exchange": exchange} for exchange in exchanges]
+    for result in run(workers.emulated_pairs, 2, (layers, costs, 6), timeout=60)[0]:
         compute, comm = result["compute"], result["comm"]
         print(
             f"emulated F&B pair: compute {compute * 1e3:.0f} ms, communication "

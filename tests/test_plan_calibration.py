@@ -60,16 +60,15 @@ def test_profiled_costs_give_the_papers_bubble_rates_and_predicted_ones_within_a
             assert got == pytest.approx(want, abs=tolerance), name
 
 
-@pytest.mark.parametrize(
-    ("setup", "j"),
-    [(setup, j) for setup in SETUPS for j in range(3)],
-    ids=lambda x: x.model.name if hasattr(x, "model") else f"m{x}",
-)
-def test_throughput_of_every_schedule_within_10_percent_and_its_gain_within_3_points(setup, j):
-    """Every cell of Table 4 (benchmarks/calibration.py prints them).
+@pytest.mark.parametrize("setup", SETUPS, ids=lambda s: s.model.name)
+def test_throughput_of_every_schedule_within_10_percent_and_its_gain_within_3_points(setup):
+    """Table 4 at the middle microbatch count. ``python benchmarks/calibration.py`` prints every
+    cell and its worst errors, and docs/plan.md holds that output, which tests/test_docs.py
+    checks line by line, so a change to any cell fails there too.
 
     A gain is compared with the range Table 4's rounded figures allow (``measured_gain``).
     """
+    j = 1
     m = setup.microbatches[j]
     predicted = {s: predicted_throughput(setup, s, m) for s in SCHEDULES}
     measured = {s: setup.measured[s][j] for s in SCHEDULES}
