@@ -19,7 +19,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from cutpipe.plan.bounds import span_bubble, v_bubble_lower_bound, warmup_span_lower_bound
+from cutpipe.plan.bounds import bubble_lower_bound
 from cutpipe.plan.scheduler import FIXED, cost_aware, default_cap, placement_for
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.sim.costs import Costs
@@ -32,14 +32,6 @@ SETTINGS = [  # placement, R, m, costs, caps as multiples of 1F1B's peak
     ("linear", 16, 64, Costs(f=11307, b=11254, w=8101, comm=379), (1.0, 1.5, 2.0)),
     ("v", 16, 48, Costs(f=14407, b=14380, w=9676, comm=1610), (1.0,)),
 ]
-
-
-def lower_bound(placement: str, R: int, m: int, costs: Costs, cap: float) -> float:
-    kind = placement_for(placement, R)
-    bound = span_bubble(warmup_span_lower_bound(kind, m, costs, cap), kind, m, costs)
-    if placement == "v":
-        bound = max(bound, v_bubble_lower_bound(R, m, costs, cap))
-    return bound
 
 
 def quality(console: Console, evaluations: int) -> None:
@@ -59,7 +51,7 @@ def quality(console: Console, evaluations: int) -> None:
             best_name, best = min(fixed, key=lambda item: span(item[1]))
             tuned = cost_aware(placement, R, m, costs, cap, span, search_evaluations=evaluations)
             ours = metrics(simulate(tuned, costs), costs)
-            bound = f"{lower_bound(placement, R, m, costs, cap):.6f}"
+            bound = f"{bubble_lower_bound(placement_for(placement, R), m, costs, cap):.6f}"
             table.add_row(placement, str(R), str(m), f"{cap:g}", best_name,
                           f"{best.bubble_ratio_span:.4f}", f"{ours.bubble_ratio_span:.6f}",
                           bound, f"{ours.makespan / best.makespan:.3f}")  # fmt: skip

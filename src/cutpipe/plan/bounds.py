@@ -13,6 +13,7 @@ comm = 1610 us, R = 16, m = 48 and R x M_B memory this gives a span bubble of 0.
 from __future__ import annotations
 
 import math
+from contextlib import suppress
 
 from cutpipe.plan.scheduler import round_trips
 from cutpipe.records import count
@@ -73,8 +74,7 @@ def v_span_lower_bound(ranks: int, microbatches: int, costs: Costs, cap: float) 
 def v_bubble_lower_bound(ranks: int, microbatches: int, costs: Costs, cap: float) -> float:
     """The least possible span bubble ratio of a V-shape schedule, from ``v_span_lower_bound``."""
     span = v_span_lower_bound(ranks, microbatches, costs, cap)
-    work = 2 * microbatches * sum(_uniform(costs, n, 2 * ranks) for n in ("f", "b", "w"))
-    return (span - work) / span if span else 0.0
+    return span_bubble(span, Placement.vshape(ranks), microbatches, costs)
 
 
 def warmup_span_lower_bound(placement: Placement, microbatches: int, costs: Costs,
@@ -124,3 +124,18 @@ def span_bubble(span: float, placement: Placement, microbatches: int, costs: Cos
         for r in range(placement.num_ranks)
     )
     return (span - least) / span if span else 0.0
+
+
+def bubble_lower_bound(placement: Placement, microbatches: int, costs: Costs,
+                       cap: float) -> float:  # fmt: skip
+    """The best span bubble bound this module proves for ``placement`` under ``cap``: the
+    warm-up bound, and on a V also the V bound, whichever is larger; 0.0 where neither holds
+    (overlapped pairs that may beat F then B, two pipes)."""
+    if costs.fb is not None or placement.num_pipes != 1:
+        return 0.0
+    span = warmup_span_lower_bound(placement, microbatches, costs, cap)
+    bound = span_bubble(span, placement, microbatches, costs)
+    if placement.kind == "v":
+        with suppress(ValueError):  # per-stage or expert-parallel costs: no V bound
+            bound = max(bound, v_bubble_lower_bound(placement.num_ranks, microbatches, costs, cap))
+    return bound

@@ -12,12 +12,10 @@ schedule. The fixed schedules are marked at their own peaks; the lower bounds of
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import suppress
 from dataclasses import dataclass
 
-from cutpipe.plan.bounds import span_bubble, v_bubble_lower_bound, warmup_span_lower_bound
+from cutpipe.plan.bounds import bubble_lower_bound
 from cutpipe.plan.scheduler import cost_aware, default_cap, placement_for
-from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
@@ -92,22 +90,10 @@ def frontier(
             result = metrics(simulate(best, costs), costs)
             points.append(Point(placement, factor, result.bubble_ratio_span, result.makespan,
                                 max(peak_activations(best, costs)) / base,
-                                _bound(kind, microbatches, costs, cap), best))  # fmt: skip
+                                bubble_lower_bound(kind, microbatches, costs, cap), best))  # fmt: skip
             if progress is not None:
                 progress(f"{placement} {factor:g}x: {result.bubble_ratio_span:.4f}")
     return points
-
-
-def _bound(kind: Placement, microbatches: int, costs: Costs, cap: float) -> float:
-    """The larger of the warm-up bound and, on a V, the V bound (as a span bubble)."""
-    if costs.fb is not None:  # an overlapped pair may beat F then B: no bound holds
-        return 0.0
-    bound = span_bubble(warmup_span_lower_bound(kind, microbatches, costs, cap), kind,
-                        microbatches, costs)  # fmt: skip
-    if kind.kind == "v":
-        with suppress(ValueError):  # per-stage or expert-parallel costs: the V bound needs neither
-            bound = max(bound, v_bubble_lower_bound(kind.num_ranks, microbatches, costs, cap))
-    return bound
 
 
 def marks(ranks: int, microbatches: int, chunk: Costs) -> list[Mark]:
