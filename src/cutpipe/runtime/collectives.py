@@ -102,6 +102,29 @@ class Exchange:
         return finish
 
 
+class AllGather:
+    """An asynchronous all-gather of one small tensor per round on ``group`` (NCCL's way; on gloo
+    ``Exchange`` is cheaper)."""
+
+    def __init__(self, group: dist.ProcessGroup, size: int, progress: Progress) -> None:
+        self._group = group
+        self._size = size
+        self._progress = progress
+
+    def start(self, word: torch.Tensor, what: str) -> Callable[[], torch.Tensor]:
+        words = [torch.empty_like(word) for _ in range(self._size)]
+        work = collective(dist.all_gather, words, word, group=self._group, async_op=True)
+        progress = self._progress
+
+        def finish() -> torch.Tensor:
+            progress.wait_for(None, what)
+            wait(work, None)
+            progress.done_waiting()
+            return torch.stack(words).cpu()
+
+        return finish
+
+
 class Collectives:
     """The collectives of one rank of a pipeline group of two or more ranks. On gloo the step's
     agreement is an ``Exchange``; elsewhere (NCCL) an all-gather."""
@@ -118,6 +141,7 @@ class Collectives:
         self._exchange = (
             Exchange(global_ranks, rank, progress) if dist.get_backend(group) == "gloo" else None
         )
+        self._agreement = self._exchange or AllGather(group, len(global_ranks), progress)
 
     def _waiting(self, what: str, peer: int | None = None) -> None:
         self._progress.wait_for(peer, what)
@@ -128,18 +152,17 @@ class Collectives:
     def start_gather(self, word: torch.Tensor, what: str) -> Callable[[], torch.Tensor]:
         """Start gathering every rank's ``word`` in the background; the returned call waits and
         gives the words stacked by rank (on the CPU)."""
+        return self._agreement.start(word, what)
+
+    def side_channel(self) -> Exchange | AllGather:
+        """A gather of its own, for words that stay in flight across a step boundary (the step's
+        verdict under ``step_boundary="overlap"``): its own group, so that neither the agreement's
+        rounds nor, on NCCL, the schedule's transfers queue behind it. Every rank makes its side
+        channels in the same order."""
         if self._exchange is not None:
-            return self._exchange.start(word, what)
-        words = [torch.empty_like(word) for _ in self._global]
-        work = collective(dist.all_gather, words, word, group=self._group, async_op=True)
-
-        def finish() -> torch.Tensor:
-            self._waiting(what)
-            wait(work, None)
-            self._done()
-            return torch.stack(words).cpu()
-
-        return finish
+            return Exchange(self._global, self._rank, self._progress)
+        group = dist.new_group(self._global, use_local_synchronization=True)
+        return AllGather(group, len(self._global), self._progress)
 
     def sum(self, tensor: torch.Tensor, what: str) -> None:
         """All-reduce ``tensor`` in place over the pipeline."""
@@ -188,6 +211,12 @@ class Alone:
 
     def start_gather(self, word: torch.Tensor, what: str) -> Callable[[], torch.Tensor]:
         return lambda: word.unsqueeze(0).cpu()
+
+    def side_channel(self) -> Alone:
+        return self
+
+    def start(self, word: torch.Tensor, what: str) -> Callable[[], torch.Tensor]:
+        return self.start_gather(word, what)
 
     def sum(self, tensor: torch.Tensor, what: str) -> None:
         pass

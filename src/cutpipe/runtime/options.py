@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from cutpipe.runtime.step_boundary import BOUNDARIES
 from cutpipe.sim.costs import Costs
 
 if TYPE_CHECKING:
@@ -40,8 +41,17 @@ class RunnerOptions:
     sync_copies: start DualPipe's two copies of each stage equal (the lower rank's wins).
     record_timeline: measure when each op starts and ends (``PipelineRunner.timeline()``).
     prefetch: how many ops ahead receives are posted.
-    loss_on_every_rank: all-reduce the loss so that every rank returns it.
+    loss_on_every_rank: all-reduce the loss so that every rank returns it (None: yes, except
+        with ``step_boundary="overlap"``, where that all-reduce would end every step with a wait
+        for every rank; there the ranks that compute losses return their own share).
     check_finite: a NaN or infinite loss raises, naming step, microbatch and rank.
+    step_boundary: how a step that is given an optimizer (``step(x, y, optimizer=opt)``) ends:
+        "sync" (every rank waits for the global gradient norm and finite check, then steps) or
+        "overlap" (each rank steps as soon as its own gradients are final; the check follows,
+        and a wrong step is rolled back and redone; ``cutpipe.runtime.step_boundary``).
+    clip_grad_norm: clip the gradients of the whole pipeline to this global L2 norm before the
+        optimizer step (None: no clipping).
+    skip_nonfinite: skip the optimizer step when any gradient value of any rank is not finite.
     step_timeout, heartbeat, dead_after, exit_after: the failure model (docs/runtime.md);
         ``step_timeout=None`` turns the progress watchdog off.
     make_executor, make_transport: factories of this rank's executor and transport (None: the
@@ -60,8 +70,11 @@ class RunnerOptions:
     sync_copies: bool = True
     record_timeline: bool = False
     prefetch: int = 16
-    loss_on_every_rank: bool = True
+    loss_on_every_rank: bool | None = None
     check_finite: bool = False
+    step_boundary: str = "sync"
+    clip_grad_norm: float | None = None
+    skip_nonfinite: bool = False
     step_timeout: float | None = DEFAULT_STEP_TIMEOUT
     heartbeat: float = 1.0
     dead_after: float = 20.0
@@ -81,6 +94,28 @@ class RunnerOptions:
             raise ValueError(
                 "prefetch is how many ops ahead receives are posted; it must be an int >= 1, "
                 f"got {self.prefetch!r}"
+            )
+        if self.step_boundary not in BOUNDARIES:
+            raise ValueError(
+                f"step_boundary must be one of {', '.join(BOUNDARIES)}, got {self.step_boundary!r}"
+            )
+        if self.clip_grad_norm is not None and (
+            not _is_number(self.clip_grad_norm) or self.clip_grad_norm <= 0
+        ):
+            raise ValueError(
+                "clip_grad_norm is the largest global gradient norm, a number > 0 (None: no "
+                f"clipping), got {self.clip_grad_norm!r}"
+            )
+        if self.check_finite and self.skip_nonfinite:
+            raise ValueError(
+                "check_finite raises at the first non-finite loss and skip_nonfinite skips the "
+                "step instead: choose one"
+            )
+        if self.step_boundary == "overlap" and self.loss_on_every_rank:
+            raise ValueError(
+                "loss_on_every_rank=True all-reduces the loss at the end of every step, a wait for "
+                "every rank that step_boundary='overlap' exists to avoid: leave it None (each rank "
+                "returns its own losses) or use step_boundary='sync'"
             )
         if self.emulate is not None and not isinstance(self.emulate, Costs):
             raise TypeError(f"emulate takes a cutpipe Costs, got {type(self.emulate).__name__}")
@@ -126,6 +161,22 @@ class RunnerOptions:
             )
         values = {name: getattr(options, name) for name in names} if options else {}
         return cls(**{**values, **overrides})
+
+    @property
+    def loss_everywhere(self) -> bool:
+        """Whether every rank returns the whole step's loss (``loss_on_every_rank`` resolved)."""
+        if self.loss_on_every_rank is None:
+            return self.step_boundary != "overlap"
+        return self.loss_on_every_rank
+
+    @property
+    def validates_steps(self) -> bool:
+        """Whether a step's end needs every rank's gradient norm and finite check."""
+        return (
+            self.clip_grad_norm is not None
+            or self.skip_nonfinite
+            or self.step_boundary == "overlap"
+        )
 
     @property
     def setup_timeout(self) -> float:

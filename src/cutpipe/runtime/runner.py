@@ -56,6 +56,7 @@ from cutpipe.runtime.protocols import (
     default_executor,
     default_transport,
 )
+from cutpipe.runtime.step_boundary import StepBoundary, Verdict
 from cutpipe.schedule.codes import B_CODE, BW_CODE, F_CODE, W_CODE
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.timeline import Timeline
@@ -142,9 +143,11 @@ class PipelineRunner:
         if error is not None:
             raise error
         if store is None:
+            self._boundary = self._step_boundary()
             return
         options = self.options
         self._collectives = Collectives(self.group, self._global, self.rank, self.progress)
+        self._boundary = self._step_boundary()
         make_transport = options.make_transport or default_transport
         self._transport = make_transport(
             TransportContext(
@@ -161,6 +164,24 @@ class PipelineRunner:
             self._collectives.pair_with(self.world_size - 1 - self.rank)
             if options.sync_copies and options.emulate is None:
                 self._collectives.copy_from_lower(self.parameters())
+
+    def _step_boundary(self) -> StepBoundary:
+        """How steps given an optimizer end (``cutpipe.runtime.step_boundary``); the gradient
+        words travel on a channel of their own when the boundary needs them."""
+        options = self.options
+        channel = self._collectives.side_channel() if options.validates_steps else None
+        device = self.device
+
+        def start_gather(word: torch.Tensor) -> Callable[[], torch.Tensor]:
+            assert channel is not None
+            step = self.progress.step
+            return channel.start(word.to(device), f"the gradient check of step {step}")
+
+        return StepBoundary(
+            options.step_boundary, self.parameters, start_gather,
+            copies=2 if self._mirrored else 1, clip_grad_norm=options.clip_grad_norm,
+            skip_nonfinite=options.skip_nonfinite, validate=options.validates_steps,
+        )  # fmt: skip
 
     def _set_up_locally(
         self,
@@ -356,7 +377,13 @@ class PipelineRunner:
 
         return agreed
 
-    def step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
+    def step(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> torch.Tensor | None:
         """Run one step; return the loss (mean or sum over the microbatches) on every rank.
 
         Under ``torch.no_grad()`` only the forwards run. Without targets (or a loss function) the
@@ -364,7 +391,55 @@ class PipelineRunner:
         on the rank that got it before any boundary value moves; the other ranks stop with a
         ``PipelineError`` that quotes it. Ranks that disagree on the step (grad mode, step count,
         batch size) all stop with a ``MismatchError`` saying who differs.
+
+        With an ``optimizer`` the step ends with its step, at the options' ``step_boundary``,
+        clipped and skipped as they say, and the gradients are gone afterwards. Without one the
+        gradients stay for the caller's optimizer (the options may then ask for no clipping,
+        skipping or overlap, which need the optimizer here).
         """
+        boundary = self._boundary
+        if not torch.is_grad_enabled():
+            if optimizer is not None:
+                raise ValueError("a step under torch.no_grad() computes no gradients to step with")
+            self.settle()  # forwards must see validated parameters
+            return self._step(inputs, targets)
+        if optimizer is None:
+            if self.options.validates_steps and self.options.emulate is None:
+                raise ValueError(
+                    "clip_grad_norm, skip_nonfinite and step_boundary='overlap' act on the "
+                    "optimizer step: pass it, runner.step(inputs, targets, optimizer=optimizer)"
+                )
+            if not self.options.validates_steps:
+                return self._step(inputs, targets)
+        loss = self._step(inputs, targets)
+        if boundary.settle():  # the last step was redone: this one ran on the wrong parameters
+            for parameter in self.parameters():
+                parameter.grad = None
+            loss = self._step(inputs, targets)
+        boundary.finish(optimizer, *self._loss_share())
+        return loss
+
+    def settle(self) -> Verdict | None:
+        """Wait for the verdict on the last optimistic step (``step_boundary="overlap"``) and
+        redo that step if it was wrong; the verdict on the last step, if there is one. Call it
+        before reading the parameters (a checkpoint, an evaluation) and after the last step;
+        steps under ``torch.no_grad()`` call it themselves."""
+        self._boundary.settle()
+        return self._boundary.last
+
+    @property
+    def verdict(self) -> Verdict | None:
+        """The verdict on the latest step it has been read for: with ``step_boundary="sync"`` the
+        last step's, with ``"overlap"`` the one before (or the last, after ``settle``)."""
+        return self._boundary.last
+
+    @property
+    def rollbacks(self) -> int:
+        """How many optimistic steps were rolled back and redone (``step_boundary="overlap"``)."""
+        return self._boundary.rollbacks
+
+    def _step(self, inputs: Any, targets: Any) -> torch.Tensor | None:
+        """Run the pipeline once: forwards and backwards, gradients left in the parameters."""
         training = torch.is_grad_enabled()
         program = self._program if training else self._forward_only()
         self._ops, self._outbox = program.ops, program.outbox
@@ -590,6 +665,16 @@ class PipelineRunner:
             for dst, parcel in self._outbox[index]:
                 self._transport.send(parcel, [by_key[key] for key in parcel], dst)
 
+    def _loss_share(self) -> tuple[float, int]:
+        """This rank's part of the last step's loss, and how many microbatch losses made it."""
+        losses = self._executor.losses if self._loss_fn is not None else []
+        if not losses:
+            return 0.0, 0
+        total = float(torch.stack(losses).sum())
+        if self.options.loss_reduction == "mean":
+            total /= self.schedule.num_microbatches
+        return total, len(losses)
+
     def _total_loss(self) -> torch.Tensor | None:
         """The step's loss: the loss ranks' sums and counts, added up everywhere (or, with
         ``loss_on_every_rank=False``, this rank's own share, None on ranks that compute none)."""
@@ -600,7 +685,7 @@ class PipelineRunner:
         summary = torch.stack(
             [local.to(self.device), torch.tensor(float(len(losses)), device=self.device)]
         )
-        if self.options.loss_on_every_rank:
+        if self.options.loss_everywhere:
             self._collectives.sum(summary, f"the loss all-reduce of step {self.progress.step}")
         total, count = summary[0], int(summary[1])
         if count == 0:
