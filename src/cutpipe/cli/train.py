@@ -113,6 +113,11 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         help="AdamW weight decay (default 0.1)")  # fmt: skip
     add("--clip", type=positive_float, default=1.0, help="clip the global gradient norm to this")
     add("--grad-accum", type=positive_int, default=1, help="pipeline steps per optimizer step")
+    add("--step-boundary", choices=("sync", "overlap"), default="sync",
+        help="sync: every rank waits for the global gradient norm before stepping; overlap: each "
+        "rank steps at once, a step that should have been clipped or skipped is redone")  # fmt: skip
+    add("--skip-nonfinite", action="store_true",
+        help="skip a step whose gradients hold a NaN or infinity instead of stopping")  # fmt: skip
     add("--dtype", choices=DTYPES, default="fp32", help="bf16: autocast, fp32 master weights")
     add("--recompute", choices=RECOMPUTE, default="none", help="activation recompute per layer")
     add("--checkpoint-dir", metavar="DIR", help="save checkpoints here (DCP, asynchronous)")
@@ -293,7 +298,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
         keep=args.keep, resume=args.resume, log=None if args.log is None else str(args.log),
         profile_steps=args.profile_steps, profile_dir=args.profile_dir,
         step_timeout=args.step_timeout, backend=args.backend, quiet=args.quiet, dp=args.dp,
-        dp_mode=args.dp_mode,
+        dp_mode=args.dp_mode, step_boundary=args.step_boundary, skip_nonfinite=args.skip_nonfinite,
     )  # fmt: skip
 
 

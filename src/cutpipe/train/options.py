@@ -36,6 +36,11 @@ class TrainOptions:
         on its share of every batch and the runner averages the gradients over the replicas.
     dp_mode: "allreduce" (every replica keeps all optimizer state), "zero1" (optimizer state
         sharded over the replicas) or "fsdp" (parameters sharded too, FSDP2).
+    step_boundary: "sync" (every rank waits for the global gradient norm before stepping) or
+        "overlap" (each rank steps at once; a step that should have been clipped or skipped is
+        rolled back and redone: ``cutpipe.runtime.step_boundary``).
+    skip_nonfinite: skip an optimizer step whose gradients hold a NaN or infinity instead of
+        stopping the run.
     """
 
     model: str
@@ -67,8 +72,12 @@ class TrainOptions:
     quiet: bool = False
     dp: int = 1
     dp_mode: str = "allreduce"
+    step_boundary: str = "sync"
+    skip_nonfinite: bool = False
 
     def __post_init__(self) -> None:
+        from cutpipe.runtime.step_boundary import BOUNDARIES
+
         problems = []
         for name in ("steps", "grad_accum", "keep"):
             value = getattr(self, name)
@@ -103,6 +112,20 @@ class TrainOptions:
                 "zero1 shards the optimizer state in a form DCP does not save yet: use "
                 "--dp-mode allreduce or fsdp with --checkpoint-dir"
             )
+        if self.step_boundary not in BOUNDARIES:
+            problems.append(
+                f"step_boundary must be one of {', '.join(BOUNDARIES)}, got {self.step_boundary!r}"
+            )
+        elif self.runner_steps and self.grad_accum > 1:
+            problems.append(
+                "--step-boundary overlap and --skip-nonfinite step the optimizer after each "
+                "pipeline step: use --grad-accum 1 (or more microbatches)"
+            )
+        elif self.runner_steps and self.dp_mode != "allreduce":
+            problems.append(
+                "--step-boundary overlap and --skip-nonfinite undo a step from copies of plain "
+                "parameters and optimizer state: use --dp-mode allreduce"
+            )
         if self.checkpoint_every < 0:
             problems.append(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
@@ -115,6 +138,11 @@ class TrainOptions:
                 )
         if problems:
             raise ValueError("; ".join(problems))
+
+    @property
+    def runner_steps(self) -> bool:
+        """Whether the runner takes the optimizer step (to overlap it, or to skip bad steps)."""
+        return self.step_boundary == "overlap" or self.skip_nonfinite
 
     @property
     def warmup_steps(self) -> int:

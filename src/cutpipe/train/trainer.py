@@ -171,11 +171,19 @@ class Trainer:
             reducer = self.fsdp = FsdpReducer(stages)
         elif options.dp > 1:
             reducer = self.mesh.gradient_reducer()
+        # the runner steps the optimizer when it must overlap or skip steps; then nothing may end
+        # a step with a wait for every rank (a recorded timeline starts with a barrier)
+        boundary = (
+            {"clip_grad_norm": options.clip, "skip_nonfinite": options.skip_nonfinite,
+             "step_boundary": options.step_boundary}
+            if options.runner_steps else {}
+        )  # fmt: skip
         self.runner = PipelineRunner(
             self.schedule, stages, LanguageModelLoss(options.aux_weight),
-            group=self.mesh.pp_group, record_timeline=True, step_timeout=options.step_timeout,
-            reducer=reducer,
+            group=self.mesh.pp_group, record_timeline=options.step_boundary == "sync",
+            step_timeout=options.step_timeout, reducer=reducer, **boundary,
         )  # fmt: skip
+        self._unchecked: StepRecord | None = None  # an overlapped step awaiting its verdict
         # what this rank holds, under the unsplit model's names: what its checkpoints save (with
         # fsdp the blocks hold DTensor shards, which DCP saves and loads as they are)
         self.held = Stage(model, [b for s in sorted(stages) for b in stages[s].block_names])
@@ -219,9 +227,11 @@ class Trainer:
         return self.step
 
     def save(self) -> float:
-        """Start an asynchronous checkpoint of the state after ``self.step``; seconds blocked."""
+        """Start an asynchronous checkpoint of the state after ``self.step`` (its verdict read
+        first: ``settled()`` then gives its record); seconds blocked."""
         assert self.checkpoints is not None
         start = time.perf_counter()
+        self.runner.settle()
         self.checkpoints.save(
             self.step,
             self.held,
@@ -238,8 +248,57 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def train_step(self) -> StepRecord:
-        """One optimizer step over ``grad_accum`` pipeline steps."""
+    def train_step(self) -> list[StepRecord]:
+        """One optimizer step over ``grad_accum`` pipeline steps; the records of the steps whose
+        verdict is now known (this one; with ``step_boundary="overlap"`` the one before)."""
+        if self.options.runner_steps:
+            return self._runner_step()
+        return [self._accumulated_step()]
+
+    def settled(self) -> list[StepRecord]:
+        """The record of an overlapped step still awaiting its verdict, once it has come (the
+        runner's ``settle`` waits for it)."""
+        if self._unchecked is None:
+            return []
+        self.runner.settle()
+        return self._checked()
+
+    def _checked(self) -> list[StepRecord]:
+        """The pending record, completed with the verdict the runner has read on it."""
+        record, self._unchecked = self._unchecked, None
+        verdict = self.runner.verdict
+        if record is None or verdict is None:
+            return []
+        loss = math.nan if verdict.loss is None else verdict.loss
+        if self.mesh.replicas > 1:
+            loss = float(self.mesh.average(torch.tensor(loss, device=self.device)))
+        return [replace(record, loss=loss, grad_norm=verdict.norm)]
+
+    def _runner_step(self) -> list[StepRecord]:
+        """One pipeline step whose optimizer step the runner takes, at its step boundary."""
+        start = time.perf_counter()
+        inputs, targets = next(self.loader)
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        inputs, targets = self.mesh.shard(inputs), self.mesh.shard(targets)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.meter.reset()
+        with self._autocast(), self.meter:
+            self.runner.step(inputs, targets, optimizer=self.optimizer)
+        self.scheduler.step()
+        self.step += 1
+        seconds = time.perf_counter() - start
+        ready = self._checked() if self.options.step_boundary == "overlap" else []
+        self._unchecked = StepRecord(
+            step=self.step, loss=math.nan, lr=lr, grad_norm=math.nan,
+            tokens_per_s=self.batch * self.spec.seq_len / seconds, step_time=seconds,
+            bubble=None, peak_activation_bytes=self.meter.peak,
+        )  # fmt: skip
+        if self.options.step_boundary == "sync":
+            ready = self._checked()
+        return ready
+
+    def _accumulated_step(self) -> StepRecord:
+        """One optimizer step over ``grad_accum`` pipeline steps, clipped here."""
         from cutpipe.sim import metrics
         from cutpipe.train.optim import clip_grad_norm
 
@@ -330,22 +389,27 @@ def train(options: TrainOptions) -> dict[str, Any]:
     try:
         while trainer.step < options.steps:
             _maybe_fault(rank, trainer.step + 1)
-            record = trainer.train_step()
+            ready = trainer.train_step()
             profiler.step()
-            if not math.isfinite(record.loss):
-                raise FloatingPointError(
-                    f"the loss became {record.loss} at step {record.step}: lower --lr or use --clip"
-                )
-            records.append(record)
             every = options.checkpoint_every
             if trainer.checkpoints is not None and (
                 (every and trainer.step % every == 0) or trainer.step == options.steps
             ):
-                stalls.append(trainer.save())
-            if log is not None:
-                log.write(record)
-            if progress is not None:
-                progress.update(record)
+                stalls.append(trainer.save())  # it reads the verdict on the step it saves
+                ready += trainer.settled()
+            elif trainer.step == options.steps:
+                ready += trainer.settled()
+            for record in ready:
+                if not (math.isfinite(record.loss) or options.skip_nonfinite):
+                    raise FloatingPointError(
+                        f"the loss became {record.loss} at step {record.step}: lower --lr, use "
+                        "--clip, or --skip-nonfinite to skip such steps"
+                    )
+                records.append(record)
+                if log is not None:
+                    log.write(record)
+                if progress is not None:
+                    progress.update(record)
         failed = False
     finally:
         profiler.close()
