@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from cutpipe.schedule.registry import SCHEDULES
+from cutpipe.sim.costs import Costs
 
 settings.register_profile(
     "default", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -40,6 +41,22 @@ def named_shapes(draw, max_ranks: int = 10, extra_microbatches: int = 24):
 
 #: Costs that add up exactly in binary floating point, so closed forms can be checked with ==.
 dyadic = st.integers(1, 16).map(lambda k: k / 4)
+
+
+@st.composite
+def cost_models(draw):
+    """Costs with every timing field drawn: dyadic op times, communication, exposed
+    expert-parallel time and overlapped pairs."""
+    return Costs(
+        f=draw(dyadic),
+        b=draw(dyadic),
+        w=draw(dyadic),
+        fb=draw(st.none() | dyadic.map(lambda x: x * 2)),
+        comm=draw(st.sampled_from([0.0, 0.25, 1.0])),
+        ep_f=draw(st.sampled_from([0.0, 0.5, 2.0])),
+        ep_b=draw(st.sampled_from([0.0, 0.5, 2.0])),
+        w_memory=draw(st.sampled_from([0.0, 0.5, 1.0])),
+    )
 
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")

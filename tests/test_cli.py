@@ -73,6 +73,20 @@ def test_simulate_prints_tables(capsys):
     assert code == 0 and "bubble ratio (span)" in out and "peak activations" in out
 
 
+def test_simulate_steps_prints_the_steady_state_beside_makespan_and_span(capsys):
+    args = ["simulate", "-s", "zbv", "-r", "4", "-m", "8", "--steps", "3", "--optimizer", "2",
+            "--reduction", "1"]  # fmt: skip
+    code, out, _ = run(capsys, *args, "--json")
+    steps = json.loads(out)["steps"]
+    assert code == 0 and set(steps) == {"sync", "overlap"}
+    assert (steps["sync"]["steady"], steps["overlap"]["steady"]) == (51 + 1 + 2, 48 + 2)
+    assert steps["overlap"]["per_step"] == [53, 50, 50] and steps["overlap"]["settled"] == 1
+    assert steps["sync"]["makespan"] == 51 and steps["sync"]["span"] == 48
+    code, out, _ = run(capsys, *args, "--boundary", "overlap")
+    assert code == 0 and "steady per step" in out and "longest span 48" in out
+    assert "│ overlap  │ 50" in out and "│ sync" not in out
+
+
 def test_compare_defaults_to_the_reports_lineup_and_agrees_with_the_forms(capsys):
     code, out, _ = run(capsys, "compare", "--json")
     rows = json.loads(out)
@@ -122,6 +136,14 @@ def test_schedule_prints_torch_notation_one_rank_per_line(capsys):
             "--ranks/-r: must be a whole number >= 1",
         ),
         (["schedule", "-s", "dualpipe", "-r", "3", "-m", "8"], "even number of ranks"),
+        (
+            ["simulate", "-s", "1f1b", "-r", "2", "-m", "2", "--reduction", "1"],
+            "--reduction needs --steps K",
+        ),
+        (
+            ["simulate", "-s", "1f1b", "-r", "2", "-m", "2", "--steps", "2", "--optimizer", "-1"],
+            "--optimizer: must be a finite number >= 0",
+        ),
     ],
 )
 def test_errors_exit_2_and_say_what_to_change(capsys, args, message):

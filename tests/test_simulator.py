@@ -2,27 +2,13 @@
 figures, and the event rules checked op by op against an independent reading of the schedule."""
 
 import pytest
-from conftest import dyadic, named_shapes
+from conftest import cost_models, named_shapes
 from hypothesis import given
 from hypothesis import strategies as st
 
 from cutpipe.schedule import Kind, Overlap, generate, units
 from cutpipe.schedule.registry import SCHEDULES
 from cutpipe.sim import Costs, Timeline, activation_trace, metrics, peak_activations, simulate
-
-
-@st.composite
-def cost_models(draw):
-    return Costs(
-        f=draw(dyadic),
-        b=draw(dyadic),
-        w=draw(dyadic),
-        fb=draw(st.none() | dyadic.map(lambda x: x * 2)),
-        comm=draw(st.sampled_from([0.0, 0.25, 1.0])),
-        ep_f=draw(st.sampled_from([0.0, 0.5, 2.0])),
-        ep_b=draw(st.sampled_from([0.0, 0.5, 2.0])),
-        w_memory=draw(st.sampled_from([0.0, 0.5, 1.0])),
-    )
 
 
 def duration(op, costs: Costs) -> float:

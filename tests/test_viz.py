@@ -116,11 +116,30 @@ def test_measured_timeline_with_the_simulation_overlaid(tmp_path):
             "lists 3 values for 2 schedules",
         ),
         (["-s", "1f1b", "-r", "2", "-m", "2", "--vs-sim", "-o", "x.png"], "use it with --timeline"),
+        (["-s", "zbv", "-r", "2", "-m", "4", "--steps", "2", "-o", "x.html"], "as .png or .svg"),
+        (
+            ["--compare", "1f1b,zbv", "-r", "2", "-m", "4", "--steps", "2", "-o", "x.png"],
+            "--steps draws one schedule",
+        ),
+        (
+            ["-s", "zbv", "-r", "2", "-m", "4", "--boundary", "sync", "-o", "x.png"],
+            "--boundary needs --steps K",
+        ),
     ],
 )
 def test_draw_errors_say_what_to_change(capsys, tmp_path, args, message):
     assert main(["draw", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_draw_steps_writes_both_boundaries(capsys, tmp_path):
+    out = tmp_path / "steps.svg"
+    code = main(["draw", "-s", "zbv", "-r", "2", "-m", "4", "--steps", "3", "--optimizer", "1",
+                 "--json", "-o", str(out)])  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and out.stat().st_size > 1000
+    assert [run["boundary"] for run in report["steps"]] == ["sync", "overlap"]
+    assert report["boxes"] == 2 * 3 * (ops(generate("zbv", 2, 4)) + 2)  # and 2 optimizer steps
 
 
 def test_a_trace_from_another_tool_is_rejected(capsys, tmp_path):

@@ -161,3 +161,26 @@ def test_svg_keeps_text_as_text_and_leaves_rcparams_alone(tmp_path):
 def test_the_form_switches_past_eight_ranks(ranks):
     figure, _ = png.render(picture(("1f1b", ranks, ranks)))
     assert bool(named_axes(figure, "memory 0").images) == (ranks > png.MANY_RANKS)
+
+
+def test_steps_show_their_numbers_boundaries_and_what_runs_between():
+    from cutpipe.sim.steps import simulate_steps
+    from cutpipe.viz.scene import steps_scene
+
+    schedule = generate("zbv", 2, 4)
+    runs = [simulate_steps(schedule, steps=3, boundary=b, optimizer=1, reduction=1)
+            for b in ("sync", "overlap")]  # fmt: skip
+    figure, count = png.render(steps_scene(runs))
+    # every op of 3 steps twice; per step and rank an all-reduce and an optimizer step (sync)
+    # or an optimizer step (overlap)
+    assert count == 2 * 3 * schedule.num_ops + 3 * 2 * 2 + 3 * 2
+    labels = legend_labels(figure)
+    assert {legend_name("AR"), legend_name("OPT"), "lighter: odd steps"} <= labels
+    assert "a rank's next step may start" in labels
+    rows = named_axes(figure, "panel 1")
+    assert [t.get_text() for t in rows.texts if t.get_text().startswith("step")] == [
+        "step 0",
+        "step 1",
+        "step 2",
+    ]
+    assert left_title(rows).get_text().startswith("ZB-V (overlap)")

@@ -15,7 +15,7 @@ from cutpipe.files import check_output
 from cutpipe.schedule.params import split_specs
 from cutpipe.schedule.registry import SCHEDULES, generate, schedule_info
 from cutpipe.schedule.schedule import Schedule
-from cutpipe.sim.costs import Costs
+from cutpipe.sim.costs import MAX_COST, Costs
 
 #: A petabyte per device: more than any accelerator, small enough to stay finite in bytes.
 MAX_MEMORY_GB = 1e6
@@ -223,6 +223,54 @@ def add_costs_argument(parser: argparse.ArgumentParser, default: str, per: str) 
         help=f"costs per {per}, e.g. F=1,B=1,W=1,FB=2.5,comm=0.1 (keys: f, b, w, fb, comm, ep_f, "
         f"ep_b, activation, w_memory, p2p_bytes, ep_bytes; default: {default or 'F=B=W=1'})",
     )
+
+
+#: ``--boundary`` choices: one of the step boundaries, or both (``sync`` then ``overlap``).
+BOUNDARY_CHOICES = ("sync", "overlap", "both")
+
+
+def add_steps_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """--steps K with --boundary, --optimizer and --reduction: several steps back to back."""
+    parser.add_argument(
+        "--steps",
+        type=whole(1, 1000),
+        metavar="K",
+        help=f"{what} K steps back to back, and the time per step once they repeat",
+    )
+    parser.add_argument(
+        "--boundary",
+        choices=BOUNDARY_CHOICES,
+        help="with --steps: sync (every rank waits for all and the all-reduce, then steps its "
+        "optimizer), overlap (each rank steps its optimizer when its own ops are done and goes "
+        "on) or both (the default)",
+    )
+    time = real(0.0, MAX_COST, exclusive=False, unit="cost units")
+    parser.add_argument("--optimizer", type=time, metavar="X",
+                        help="with --steps: one optimizer step's time (default 0)")  # fmt: skip
+    parser.add_argument("--reduction", type=time, metavar="Y",
+                        help="with --steps: the gradient all-reduce's time (default 0)")  # fmt: skip
+
+
+def steps_from_args(args: argparse.Namespace, schedule: Schedule, costs: Costs) -> list:
+    """The ``MultiStep`` of each boundary ``add_steps_arguments``' options ask for; [] without
+    --steps (then none of its options may be given)."""
+    from cutpipe.sim.steps import simulate_steps
+
+    if args.steps is None:
+        given = [f"--{name}" for name in ("boundary", "optimizer", "reduction")
+                 if getattr(args, name) is not None]  # fmt: skip
+        if given:
+            verb = "needs" if len(given) == 1 else "need"
+            raise ValueError(
+                f"{' and '.join(given)} {verb} --steps K (the steps to run back to back)"
+            )
+        return []
+    boundaries = ("sync", "overlap") if args.boundary in (None, "both") else (args.boundary,)
+    return [
+        simulate_steps(schedule, costs, steps=args.steps, boundary=boundary,
+                       optimizer=args.optimizer or 0.0, reduction=args.reduction or 0.0)
+        for boundary in boundaries
+    ]  # fmt: skip
 
 
 def print_json(data: Any) -> None:

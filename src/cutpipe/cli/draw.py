@@ -1,7 +1,8 @@
 """``cutpipe draw``: pictures of simulated or measured timelines.
 
 The output file's ending picks the format: .png or .svg (matplotlib), .html (an interactive page
-that opens without network), .json (a Chrome trace for Perfetto or chrome://tracing).
+that opens without network), .json (a Chrome trace for Perfetto or chrome://tracing). With --steps
+K, K steps of one schedule back to back, one panel per step boundary (.png or .svg).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 from cutpipe.cli.common import (
     SCHEDULE_HELP,
     add_costs_argument,
+    add_steps_arguments,
     description,
     load_schedule_file,
     output_file,
@@ -19,6 +21,7 @@ from cutpipe.cli.common import (
     readable_file,
     schedule_name,
     schedule_names,
+    steps_from_args,
 )
 from cutpipe.schedule.registry import generate
 from cutpipe.sim.costs import Costs
@@ -76,6 +79,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_costs_argument(parser, "", "stage of each schedule")
     parser.add_argument("--json", action="store_true",
                         help="print what was written and each timeline's metrics as JSON")  # fmt: skip
+    add_steps_arguments(parser, "with --schedule or --from: draw")
     parser.add_argument("--vs-sim", action="store_true",
                         help="with --timeline: overlay the simulator's prediction from the measured op times")  # fmt: skip
     parser.add_argument(
@@ -166,12 +170,48 @@ def _draw_metrics(args: argparse.Namespace, output: Path) -> int:
     return 0
 
 
+def _draw_steps(args: argparse.Namespace, output: Path) -> int:
+    """K steps of one schedule, a panel per boundary: where steps overlap and where they wait."""
+    from cutpipe.viz import png
+    from cutpipe.viz.scene import steps_scene
+
+    if args.schedule is None and args.schedule_file is None:
+        raise ValueError("--steps draws one schedule: give --schedule NAME or --from FILE")
+    if output.suffix.lower() not in (".png", ".svg"):
+        raise ValueError(
+            f"--steps is drawn as .png or .svg (step shading and boundaries), not {output.suffix}"
+        )
+    if args.schedule_file is not None:
+        schedule = _from_file(args)
+    else:
+        ranks = _per_schedule(args.ranks, 1, "ranks")[0]
+        schedule = generate(
+            args.schedule, ranks, _per_schedule(args.microbatches, 1, "microbatches")[0]
+        )
+    boundaries = 1 if args.boundary in ("sync", "overlap") else 2
+    check_boxes(schedule.num_ops * args.steps * boundaries, *_limit(output.suffix.lower()))
+    runs = steps_from_args(args, schedule, args.costs)
+    drawing = steps_scene(runs, args.costs)
+    count = png.save(drawing, output)
+    if args.json:
+        print_json({"written": str(output), "format": output.suffix.lower().lstrip("."),
+                    "boxes": count, "steps": [run.to_dict() for run in runs]})  # fmt: skip
+    else:
+        steady = ", ".join(f"{run.boundary} {run.steady:g}" for run in runs)
+        print(f"wrote {output}: {args.steps} steps of {schedule.name} ({steady} per step)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from cutpipe.viz import scene
 
     output: Path = args.output
+    if args.steps is not None:
+        return _draw_steps(args, output)
     if args.metrics is not None:
         return _draw_metrics(args, output)
+    if any(getattr(args, name) is not None for name in ("boundary", "optimizer", "reduction")):
+        steps_from_args(args, None, args.costs)  # says which option needs --steps
     suffix = output.suffix.lower()
     costs: Costs = args.costs
     ghosts = None

@@ -1,4 +1,9 @@
-"""``cutpipe simulate``: time one schedule under a cost model and print its metrics."""
+"""``cutpipe simulate``: time one schedule under a cost model and print its metrics.
+
+With ``--steps K`` it also runs K steps back to back (``cutpipe.sim.steps``) and prints the time
+per step once they repeat, for synchronised and overlapping step boundaries, beside one step's
+makespan and longest span.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +12,22 @@ import argparse
 from cutpipe.cli.common import (
     add_costs_argument,
     add_schedule_source,
+    add_steps_arguments,
     fmt,
     output_file,
     print_json,
     schedule_from_args,
+    steps_from_args,
 )
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
+from cutpipe.sim.steps import MultiStep
 
 #: Ranks the per-rank table shows (a terminal table of thousands of rows helps nobody and takes
 #: seconds to lay out); ``--json`` lists every rank.
 MAX_RANK_ROWS = 256
+#: Step times the steps table lists (``--json`` lists every step).
+MAX_STEP_TIMES = 6
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -33,6 +43,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--timeline", type=output_file(), metavar="FILE", help="also write the timeline as JSON"
     )
+    add_steps_arguments(parser, "also simulate")
     parser.set_defaults(run=run)
 
 
@@ -40,10 +51,14 @@ def run(args: argparse.Namespace) -> int:
     schedule = schedule_from_args(args)
     timeline = simulate(schedule, args.costs)
     result = metrics(timeline, args.costs)
+    runs = steps_from_args(args, schedule, args.costs)
     if args.timeline is not None:
         timeline.save(args.timeline)
     if args.json:
-        print_json(result.to_dict())
+        data = result.to_dict()
+        if runs:
+            data["steps"] = {run.boundary: _step_dict(run) for run in runs}
+        print_json(data)
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -83,4 +98,36 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     console.print(summary)
     console.print(per_rank)
+    if runs:
+        console.print(_steps_table(runs))
     return 0
+
+
+def _step_dict(run: MultiStep) -> dict:
+    data = run.to_dict()
+    del data["schedule"], data["boundary"]
+    return data
+
+
+def _steps_table(runs: list[MultiStep]):
+    """One row per boundary: the time per step once the steps repeat, from which step, and the
+    first steps' times; one step's makespan and longest span under it."""
+    from rich.table import Table
+
+    first = runs[0]
+    table = Table(
+        "boundary", "steady per step", "repeats from", "step times",
+        title=f"{first.count} steps back to back: optimizer {fmt(first.optimizer)}, "
+        f"reduction {fmt(first.reduction)}",
+        caption=f"one step alone: makespan {fmt(first.makespan)}, longest span "
+        f"{fmt(first.span)}",
+    )  # fmt: skip
+    for run in runs:
+        times = ", ".join(fmt(t) for t in run.per_step[:MAX_STEP_TIMES])
+        if run.count > MAX_STEP_TIMES:
+            times += ", ..."
+        settled = "not yet" if run.settled is None else f"step {run.settled}"
+        if run.period not in (None, 1):
+            settled += f" (every {run.period})"
+        table.add_row(run.boundary, fmt(run.steady), settled, times)
+    return table

@@ -68,8 +68,14 @@ class Walk:
     ends: tuple[list[float], ...]
 
 
-def walk(schedule: Schedule, timing: Timing | None = None) -> Walk:
+def walk(
+    schedule: Schedule, timing: Timing | None = None, release: Sequence[float] | None = None
+) -> Walk:
     """Execute the schedule in dependency order; raise ``ScheduleError`` if it cannot run.
+
+    ``release``, one time per rank (default 0), is when each rank may start its first op: the
+    simulation of several steps (``cutpipe.sim.steps``) releases each step's ranks when their
+    previous step and optimizer step are done.
 
     Ranks run until they block on an input; a blocked rank waits on the value it needs and the op
     that makes that value puts it back on the run stack. Start and end times follow from the
@@ -108,7 +114,9 @@ def walk(schedule: Schedule, timing: Timing | None = None) -> Walk:
 
     codes = schedule.codes
     pointer = [0] * R
-    clock = [0.0] * R
+    clock = [0.0] * R if release is None else [float(t) for t in release]
+    if len(clock) != R:
+        raise ValueError(f"walk's release lists {len(clock)} times for {R} ranks")
     starts = tuple([0.0] * len(ops) for ops in codes)
     ends = tuple([0.0] * len(ops) for ops in codes)
     runnable = [r for r in reversed(range(R)) if codes[r]]

@@ -5,7 +5,10 @@ direction or leg; the grey behind the boxes is idle time. Under each panel's row
 live activation memory over time: a line per rank for a few ranks, a heat map (a row per rank)
 for many, where lines would only overlap. Rows that repeat an earlier panel's rows box for box
 are bracketed at the right ("= DualPipe rows 0-3"), so a comparison shows what it shares without
-reading the titles. Boxes of one kind and leg go into one ``PolyCollection``, so a 25,000-box
+reading the titles. A panel of several steps draws odd steps lighter, the all-reduce and optimizer
+steps between them hatched, a black tick where each rank's step ends (its next step may start
+there) and each step's number above its first op. Boxes of one kind, leg and step parity go into
+one ``PolyCollection``, so a 25,000-box
 schedule draws in about a second; the microbatch number goes into every box wide enough to hold
 it. Figures are built without pyplot and settings are scoped with ``rc_context``, so drawing never
 changes the caller's matplotlib backend or state. The layout is computed in inches, so a legend,
@@ -23,9 +26,11 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 from matplotlib.axes import Axes
-from matplotlib.collections import PolyCollection
+from matplotlib.collections import LineCollection, PolyCollection
+from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.textpath import TextToPath
 
@@ -34,9 +39,11 @@ from cutpipe.viz.scene import MAX_IMAGE_BOXES, Box, Panel, Scene, check_boxes
 from cutpipe.viz.style import (
     IDLE_COLOUR,
     KIND_COLOURS,
+    KIND_HATCH,
     LEG_EDGE,
     LEG_HATCH,
     MEMORY_UNIT,
+    ODD_STEP_ALPHA,
     SHARED_COLOUR,
     TEXT_ON,
     legend_name,
@@ -58,6 +65,7 @@ TITLE_POINTS = 11.0
 LEGEND_POINTS = 8.5
 SMALL_POINTS = 8.0
 SHARED_POINTS = 9.0
+STEP_LABEL_INCHES = 0.16  # room above a panel of several steps for the step numbers
 #: A legend entry's handle, the gap to its text and the spacing to the next column, in ems.
 LEGEND_HANDLE_EMS, LEGEND_PAD_EMS, LEGEND_SPACING_EMS = 1.6, 0.6, 1.5
 LEGEND_ENTRY_EMS = LEGEND_HANDLE_EMS + LEGEND_PAD_EMS + LEGEND_SPACING_EMS
@@ -165,9 +173,19 @@ def _hatch_label(scene: Scene) -> str | None:
 def legend_handles(scene: Scene) -> list[Patch]:
     """One entry per kind the scene shows, then hatching, idle and a ghost where present."""
     handles = [
-        Patch(facecolor=KIND_COLOURS[kind], edgecolor="#4d4d4d", label=legend_name(kind))
+        Patch(facecolor=KIND_COLOURS[kind], edgecolor="#4d4d4d", hatch=KIND_HATCH.get(kind),
+              label=legend_name(kind))
         for kind in scene.kinds
-    ]
+    ]  # fmt: skip
+    if any(p.step_ends for p in scene.panels):
+        handles.append(
+            Patch(facecolor=to_rgba("#808080", ODD_STEP_ALPHA), edgecolor="#4d4d4d",
+                  label="lighter: odd steps")
+        )  # fmt: skip
+        handles.append(
+            Line2D([], [], color="#000000", marker="|", linestyle="none", markersize=11,
+                   markeredgewidth=2, label="a rank's next step may start")
+        )  # fmt: skip
     hatch = _hatch_label(scene)
     if hatch:
         handles.append(
@@ -220,17 +238,17 @@ def _draw_boxes(ax: Axes, panel: Panel, end: float) -> int:
     begin = panel.timeline.begin
     ax.barh(range(panel.ranks), end - begin, left=begin, height=2 * HALF, color=IDLE_COLOUR,
             linewidth=0)  # fmt: skip
-    groups: dict[tuple[str, int], list[Box]] = {}
+    groups: dict[tuple[str, int, int], list[Box]] = {}
     for box in panel.boxes:
-        groups.setdefault((box.kind, box.leg), []).append(box)
-    for (kind, leg), boxes in sorted(groups.items()):
+        groups.setdefault((box.kind, box.leg, box.step % 2), []).append(box)
+    for (kind, leg, odd), boxes in sorted(groups.items()):
         ax.add_collection(
             PolyCollection(
                 _rectangles(boxes),
-                facecolors=KIND_COLOURS[kind],
+                facecolors=to_rgba(KIND_COLOURS[kind], ODD_STEP_ALPHA if odd else 1.0),
                 edgecolors=LEG_EDGE[leg],
                 linewidths=0.3,
-                hatch=LEG_HATCH[leg] or None,
+                hatch=KIND_HATCH.get(kind) or LEG_HATCH[leg] or None,
             )
         )
     if panel.ghost:
@@ -252,10 +270,26 @@ def _draw_labels(ax: Axes, panel: Panel, pixels_per_unit: float) -> None:
     for box in panel.boxes:
         if labels >= MAX_LABELS:
             break
-        if (box.end - box.start) * pixels_per_unit >= 4 + 5 * len(box.label):
+        if box.label and (box.end - box.start) * pixels_per_unit >= 4 + 5 * len(box.label):
             ax.text((box.start + box.end) / 2, box.rank, box.label, ha="center", va="center",
                     fontsize=6.5, color=TEXT_ON[box.kind])  # fmt: skip
             labels += 1
+
+
+def _draw_steps(ax: Axes, panel: Panel) -> None:
+    """A tick where each rank's step ends and each step's number above its first op."""
+    if not panel.step_ends:
+        return
+    ticks = [[(t, rank - HALF), (t, rank + HALF)] for ends in panel.step_ends
+             for rank, t in enumerate(ends)]  # fmt: skip
+    ax.add_collection(LineCollection(ticks, colors="#000000", linewidths=2.0))
+    starts: dict[int, float] = {}
+    for box in panel.boxes:
+        starts[box.step] = min(starts.get(box.step, box.start), box.start)
+    transform = ax.get_xaxis_transform()  # x in data, y in axes fractions
+    for step, start in sorted(starts.items()):
+        ax.text(start, 1.0, f"step {step}", transform=transform, ha="left", va="bottom",
+                fontsize=SMALL_POINTS, fontweight="bold")  # fmt: skip
 
 
 def _draw_shared(ax: Axes, panel: Panel, scene: Scene, index: int) -> None:
@@ -351,7 +385,8 @@ def _band(panel: Panel, title: str) -> _Band:
         min(max(HEAT_ROW_INCHES * panel.ranks, 1.2), 2.0) if _is_heat(panel) else LINE_MEMORY_INCHES
     )
     lines = title.count("\n") + 1
-    return _Band(0.1 + 0.2 * lines, row * panel.ranks, 0.34, memory)
+    steps = STEP_LABEL_INCHES if panel.step_ends else 0.0
+    return _Band(0.1 + 0.2 * lines + steps, row * panel.ranks, 0.34, memory)
 
 
 @dataclass
@@ -385,10 +420,12 @@ def _draw_panel(frame: _Frame, scene: Scene, index: int, band: _Band, title: str
     rows_ax = frame.axes(cursor, band.rows, f"panel {index}")
     drawn = _draw_boxes(rows_ax, panel, end)
     _draw_labels(rows_ax, panel, frame.plot * frame.figure.dpi / max(end - start, 1e-12))
+    _draw_steps(rows_ax, panel)
     rows_ax.set_ylim(panel.ranks - 0.5, -0.5)
     rows_ax.set_yticks(range(panel.ranks), [f"rank {r}" for r in range(panel.ranks)],
                        fontsize=7 if panel.ranks > DENSE_RANKS else 8)  # fmt: skip
-    rows_ax.set_title(title, fontsize=TITLE_POINTS, loc="left", pad=5)
+    pad = 5 + (STEP_LABEL_INCHES * 72 if panel.step_ends else 0)
+    rows_ax.set_title(title, fontsize=TITLE_POINTS, loc="left", pad=pad)
     _draw_shared(rows_ax, panel, scene, index)
     cursor -= band.heading + band.memory
     memory_ax = frame.axes(cursor, band.memory, f"memory {index}")

@@ -3,8 +3,10 @@
 A ``Scene`` holds one or more *panels* (a schedule's timeline each, stacked on one time axis): per
 op a box with its rank, start, end, kind, stage, microbatch, leg (the two directions of DualPipe,
 the two legs of a V) and what it waited for; per rank the live activation memory over time; and
-the metrics. The PNG/SVG, HTML and Chrome-trace writers all render a scene, and the tests check
-scenes rather than pixels.
+the metrics. A panel of several steps (``steps_panel``) holds every step's boxes, each with its
+step, the all-reduces and optimizer steps between them, and where each rank's step ended. The
+PNG/SVG, HTML and Chrome-trace writers all render a scene, and the tests check scenes rather than
+pixels.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from cutpipe.schedule.registry import schedule_info
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.memory import activation_trace
 from cutpipe.sim.metrics import Metrics, metrics
+from cutpipe.sim.steps import MultiStep
 from cutpipe.sim.timeline import Timeline
 
 #: The most op boxes one picture holds. Past it a picture shows nothing a smaller run would
@@ -52,10 +55,12 @@ class Box:
     name: str  # the op in PyTorch's notation, e.g. "3F1" or "(0F7;7B3)"
     label: str  # what fits in the box: the microbatch (counted per direction), "7/3" for a pair
     waited: str  # why it started when it did
+    step: int = 0  # which training step it belongs to, in a panel of several
 
 
-#: Kinds in the order legends list them.
-KIND_ORDER = ("F", "B", "W", "BW", "FB")
+#: Kinds in the order legends list them; AR (the gradient all-reduce every rank waits for at a
+#: synchronised step boundary) and OPT (an optimizer step) appear only between steps.
+KIND_ORDER = ("F", "B", "W", "BW", "FB", "AR", "OPT")
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,8 @@ class Panel:
     parameter_copies: float = 1.0
     #: per rank, (earlier panel, its rank) whose row this one repeats box for box, or None
     same_as: tuple[tuple[int, int] | None, ...] = ()
+    #: in a panel of several steps: per step, per rank, when the rank may start its next step
+    step_ends: tuple[tuple[float, ...], ...] = ()
 
     @property
     def ranks(self) -> int:
@@ -237,6 +244,67 @@ def panel(timeline: Timeline, costs: Costs | None = None, ghost: Timeline | None
         parameter_copies=copies,
         same_as=(None,) * schedule.num_ranks,
     )
+
+
+def steps_panel(result: MultiStep, costs: Costs | None = None) -> Panel:
+    """A drawable panel of several steps: every step's ops (``Box.step`` says which), then per
+    rank the all-reduce (``sync``: every rank waits for it) and the optimizer step between
+    steps, and where each rank's next step may start (``Panel.step_ends``)."""
+    costs = costs or Costs()
+    first = result.steps[0]
+    base = panel(first, costs)
+    boxes: list[Box] = []
+    memory: list[list[tuple[float, float]]] = [[] for _ in range(first.num_ranks)]
+    for step, (timeline, ready) in enumerate(zip(result.steps, result.ready, strict=True)):
+        boxes += [replace(box, step=step) for box in _boxes(timeline, costs.comm)]
+        boxes += _boundary_boxes(result, step, timeline, ready)
+        for rank, points in enumerate(_memory(timeline, costs)):
+            memory[rank] += points if step == 0 else points[1:]
+    name = f"{base.display} ({result.boundary})"
+    title = (
+        f"{name}: R={first.num_ranks}, m={first.schedule.num_microbatches}, {result.count} "
+        f"steps, optimizer {result.optimizer:g}, reduction {result.reduction:g}: "
+        f"{result.steady:g} per step once the steps repeat, one step alone: makespan "
+        f"{result.makespan:g}, longest span {result.span:g}"
+    )
+    ends = tuple(tuple(t + result.optimizer for t in ready) for ready in result.ready)
+    return replace(base, title=title, boxes=boxes, memory=memory, display=name, step_ends=ends)
+
+
+def _boundary_boxes(
+    result: MultiStep, step: int, timeline: Timeline, ready: tuple[float, ...]
+) -> list[Box]:
+    """The all-reduce every rank waits for (``sync``) and each rank's optimizer step."""
+    boxes = []
+    for rank, at in enumerate(ready):
+        if result.boundary == "sync" and result.reduction > 0:
+            boxes.append(
+                Box(rank, at - result.reduction, at, "AR", -1, -1, 0, f"all-reduce {step}", "",
+                    "the gradient all-reduce, after every rank's last op of the step", step)
+            )  # fmt: skip
+        if result.optimizer > 0:
+            ended = timeline.ends[rank][-1] if timeline.ends[rank] else at
+            why = (
+                "every rank's last op and the all-reduce"
+                if result.boundary == "sync"
+                else "its own last op"
+            )
+            if at > ended and result.boundary == "overlap":
+                why = "the previous step's check (reduction)"
+            boxes.append(
+                Box(rank, at, at + result.optimizer, "OPT", -1, -1, 0, f"optimizer {step}", "",
+                    f"the optimizer step, after {why}", step)
+            )  # fmt: skip
+    return boxes
+
+
+def steps_scene(results: list[MultiStep], costs: Costs | None = None) -> Scene:
+    """A scene of one panel per multi-step simulation (``sync`` above ``overlap``, say)."""
+    if not results:
+        raise ValueError("nothing to draw: give at least one multi-step simulation")
+    check_boxes(sum(r.count * r.schedule.num_ops for r in results))
+    panels = [steps_panel(result, costs) for result in results]
+    return Scene(_mark_shared_rows(panels), "cost")
 
 
 def _row_signatures(panel: Panel) -> list[tuple]:

@@ -3,7 +3,8 @@
 Kinds differ in lightness as well as hue, so they stay apart in greyscale: F is the lightest,
 then B, W, BW, and FB the darkest (relative luminance 0.69, 0.52, 0.40, 0.19, 0.05). The second
 direction of DualPipe (and the second leg of a V) keeps its kind's colour, hatched, with a darker
-edge.
+edge. Between steps, the all-reduce (AR) and the optimizer step (OPT) are hatched with a pattern
+of their own, so they stay apart from every op in greyscale too; odd steps are drawn lighter.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ KIND_COLOURS = {
     "W": "#66bd63",  # green
     "BW": "#d94801",  # dark orange
     "FB": "#54278f",  # dark purple
+    "AR": "#f1b6da",  # pink, dotted
+    "OPT": "#fee391",  # yellow, crossed
 }
 KIND_NAMES = {
     "F": "F forward",
@@ -21,14 +24,21 @@ KIND_NAMES = {
     "W": "W weight backward",
     "BW": "BW full backward",
     "FB": "F&B overlapped pair",
+    "AR": "gradient all-reduce (all ranks wait)",
+    "OPT": "optimizer step",
 }
+#: Kinds told apart by a pattern of their own (not ops of the schedule: what runs between steps).
+KIND_HATCH = {"AR": "....", "OPT": "xxx"}
+#: How opaque the boxes of odd steps are, so consecutive steps stand apart.
+ODD_STEP_ALPHA = 0.5
 #: What a legend adds to a kind's name: how to read the box's label where it is not a plain
 #: microbatch number.
 KIND_LABEL_NOTES = {"FB": "label: forward mb / backward mb"}
 LEG_HATCH = {0: "", 1: "///"}
 LEG_EDGE = {0: "#4d4d4d", 1: "#111111"}
 IDLE_COLOUR = "#ececec"
-TEXT_ON = {"F": "#000000", "B": "#000000", "W": "#000000", "BW": "#ffffff", "FB": "#ffffff"}
+TEXT_ON = {"F": "#000000", "B": "#000000", "W": "#000000", "BW": "#ffffff", "FB": "#ffffff",
+           "AR": "#000000", "OPT": "#000000"}  # fmt: skip
 #: Rows that repeat an earlier schedule's rows are bracketed in this colour, apart from every kind.
 SHARED_COLOUR = "#b2182b"
 #: What live activation memory is counted in (``Costs.activation``: what one F of one stage
