@@ -95,6 +95,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of a real training run (``--model``)."""
+    from cutpipe.sim.steps import BOUNDARIES
     from cutpipe.train.options import DP_MODES, DTYPES, RECOMPUTE
 
     real_run = parser.add_argument_group("training a model file (--model)")
@@ -113,7 +114,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         help="AdamW weight decay (default 0.1)")  # fmt: skip
     add("--clip", type=positive_float, default=1.0, help="clip the global gradient norm to this")
     add("--grad-accum", type=positive_int, default=1, help="pipeline steps per optimizer step")
-    add("--step-boundary", choices=("sync", "overlap"), default="sync",
+    add("--step-boundary", choices=BOUNDARIES, default="sync",
         help="sync: every rank waits for the global gradient norm before stepping; overlap: each "
         "rank steps at once, a step that should have been clipped or skipped is redone")  # fmt: skip
     add("--skip-nonfinite", action="store_true",

@@ -115,6 +115,8 @@ def agree_on_setup(
 #: one rank's word on a step: training?, step number, its input and target batch sizes (-1:
 #: none given), and whether its own checks failed; then rank 0's input signature
 STEP_FIELDS = 5
+#: the field of a step word that says its rank could not start the step
+FAILED_FIELD = 4
 
 
 def step_word(
@@ -127,7 +129,7 @@ def step_word(
 
 def failed_ranks(words: torch.Tensor) -> list[int]:
     """The ranks whose own checks of the step's input failed."""
-    return [rank for rank, flag in enumerate(words[:, 4].tolist()) if flag]
+    return [rank for rank, flag in enumerate(words[:, FAILED_FIELD].tolist()) if flag]
 
 
 def check_step(words: torch.Tensor) -> list[int]:

@@ -41,6 +41,23 @@ def _start(
         raise PeerLost(peer, str(error)) from error
 
 
+class Round:
+    """A gather in flight: calling it waits for every rank's word and gives them stacked by rank
+    (on the CPU); ``first()`` waits only for pipeline rank 0's."""
+
+    def __init__(
+        self, every: Callable[[], torch.Tensor], first: Callable[[], torch.Tensor] | None = None
+    ) -> None:
+        self._every = every
+        self._first = first
+
+    def __call__(self) -> torch.Tensor:
+        return self._every()
+
+    def first(self) -> torch.Tensor:
+        return self._first() if self._first is not None else self._every()[0]
+
+
 class Exchange:
     """An all-gather of one small CPU tensor per step, made of point-to-point messages on a
     process group of its own.
@@ -66,8 +83,8 @@ class Exchange:
         self._started: tuple[list[Any], list[torch.Tensor]] | None = None
         self._unfinished: list[tuple[list[Any], list[torch.Tensor]]] = []
 
-    def start(self, word: torch.Tensor, what: str) -> Callable[[], torch.Tensor]:
-        """Send ``word`` to every peer; the returned call waits for theirs (once) and gives the
+    def start(self, word: torch.Tensor, what: str) -> Round:
+        """Send ``word`` to every peer; the returned round waits for theirs (once) and gives the
         words stacked by rank."""
         word = word.cpu()
         tag, self._round = self._round, self._round + 1
@@ -88,10 +105,15 @@ class Exchange:
         self._started = (receives + sends, [*buffers, word])
         progress = self._progress
 
+        waited: set[int] = set()  # gloo's wait() on a finished receive never returns again
+
         def finish() -> torch.Tensor:
             progress.wait_for(None, what)  # a collective: the diagnosis follows who is not in it
-            for work, peer in zip(receives + sends, self._peers + self._peers, strict=True):
-                wait(work, peer)
+            works = zip(receives + sends, self._peers + self._peers, strict=True)
+            for index, (work, peer) in enumerate(works):
+                if index not in waited:
+                    wait(work, peer)
+                    waited.add(index)
             progress.done_waiting()
             if self._round == tag + 1:
                 self._started = None
@@ -99,7 +121,17 @@ class Exchange:
             rows.insert(self._rank, word)
             return torch.stack(rows)
 
-        return finish
+        def first() -> torch.Tensor:
+            if self._rank == 0:
+                return word
+            if 0 not in waited:  # peers are in rank order: rank 0 comes first
+                progress.wait_for(0, what)
+                wait(receives[0], 0)
+                waited.add(0)
+                progress.done_waiting()
+            return buffers[0]
+
+        return Round(finish, first)
 
 
 class AllGather:
@@ -111,7 +143,7 @@ class AllGather:
         self._size = size
         self._progress = progress
 
-    def start(self, word: torch.Tensor, what: str) -> Callable[[], torch.Tensor]:
+    def start(self, word: torch.Tensor, what: str) -> Round:
         words = [torch.empty_like(word) for _ in range(self._size)]
         work = collective(dist.all_gather, words, word, group=self._group, async_op=True)
         progress = self._progress
@@ -122,7 +154,7 @@ class AllGather:
             progress.done_waiting()
             return torch.stack(words).cpu()
 
-        return finish
+        return Round(finish)  # a collective: rank 0's word comes with everyone's
 
 
 class Collectives:
@@ -149,8 +181,8 @@ class Collectives:
     def _done(self) -> None:
         self._progress.done_waiting()
 
-    def start_gather(self, word: torch.Tensor, what: str) -> Callable[[], torch.Tensor]:
-        """Start gathering every rank's ``word`` in the background; the returned call waits and
+    def start_gather(self, word: torch.Tensor, what: str) -> Round:
+        """Start gathering every rank's ``word`` in the background; the returned round waits and
         gives the words stacked by rank (on the CPU)."""
         return self._agreement.start(word, what)
 
@@ -209,13 +241,13 @@ class Collectives:
 class Alone:
     """The collectives of a one-rank pipeline: there is nobody to talk to."""
 
-    def start_gather(self, word: torch.Tensor, what: str) -> Callable[[], torch.Tensor]:
-        return lambda: word.unsqueeze(0).cpu()
+    def start_gather(self, word: torch.Tensor, what: str) -> Round:
+        return Round(lambda: word.unsqueeze(0).cpu())
 
     def side_channel(self) -> Alone:
         return self
 
-    def start(self, word: torch.Tensor, what: str) -> Callable[[], torch.Tensor]:
+    def start(self, word: torch.Tensor, what: str) -> Round:
         return self.start_gather(word, what)
 
     def sum(self, tensor: torch.Tensor, what: str) -> None:

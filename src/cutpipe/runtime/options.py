@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from cutpipe.runtime.step_boundary import BOUNDARIES
 from cutpipe.sim.costs import Costs
+from cutpipe.sim.steps import BOUNDARIES
 
 if TYPE_CHECKING:
     from cutpipe.runtime.data_parallel import GradientReducer

@@ -32,7 +32,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cutpipe.runtime.agreement import agree_on_setup, check_step, describe, failed_ranks, step_word
+from cutpipe.runtime.agreement import (
+    FAILED_FIELD,
+    STEP_FIELDS,
+    agree_on_setup,
+    check_step,
+    describe,
+    failed_ranks,
+    step_word,
+)
 from cutpipe.runtime.batch import batch_size, split
 from cutpipe.runtime.collectives import Alone, Collectives
 from cutpipe.runtime.comm import HEADER_LENGTH, PeerLost, encode_header, meta_of
@@ -340,14 +348,19 @@ class PipelineRunner:
     # -- a step ----------------------------------------------------------------------------------
 
     def _agree(self, training: bool, inputs: Any, targets: Any, batch: list[Any] | None,
-               failed: bool) -> Callable[[], bool]:  # fmt: skip
-        """Start the step's all-gather (``agreement``); the returned call waits for it (once),
-        stops this rank if any rank disagrees or could not start the step, and says whether
-        rank 0's input signature is new (so boundary shapes are learned again).
+               failed: bool) -> tuple[Callable[[], bool], Callable[[], bool]]:  # fmt: skip
+        """Start the step's all-gather (``agreement``). The first returned call waits for it
+        (once), stops this rank if any rank disagrees or could not start the step, and says
+        whether rank 0's input signature is new (so boundary shapes are learned again); the
+        second is what the transport asks before its first transfer.
 
-        It runs in the background: only a transfer that must know the answer waits for it."""
+        It runs in the background: only a transfer that must know the answer waits for it. With
+        ``step_boundary="overlap"`` that transfer waits only for rank 0's word (the signature is
+        in it): waiting for every rank's would make rank 0 wait for the last rank to finish the
+        step before, which is the synchronisation overlap removes. A disagreement is then found
+        when the step ends, or by the watchdog if a transfer it derails never comes."""
         if self.world_size == 1:
-            return lambda: False
+            return (lambda: False), (lambda: False)
         step = self.progress.step
         signature = torch.zeros(HEADER_LENGTH, dtype=torch.int64)
         if self.rank == 0 and batch:
@@ -355,13 +368,29 @@ class PipelineRunner:
         word = step_word(
             training, step, batch_size(inputs), batch_size(targets), failed, signature
         ).to(self.device)
-        finish = self._collectives.start_gather(word, f"the agreement on step {step}")
+        words = self._collectives.start_gather(word, f"the agreement on step {step}")
         answer: list[bool] = []
+        checked: list[bool] = []
 
-        def agreed() -> bool:
+        def learn(signature: list[int]) -> bool:
+            if not answer:
+                answer.append(signature != self._last_signature)
+                self._last_signature = signature
+            return answer[0]
+
+        def from_rank_zero() -> bool:
             if answer:
                 return answer[0]
-            gathered = finish()
+            first = words.first()
+            if first[FAILED_FIELD]:  # rank 0 could not start: the whole agreement says how
+                return agreed()
+            return learn(first[STEP_FIELDS:].tolist())
+
+        def agreed() -> bool:
+            if checked:
+                return answer[0]
+            checked.append(True)
+            gathered = words()
             culprits = failed_ranks(gathered)
             if culprits and not failed:
                 recorded = self._guard.failure() if self._guard is not None else None
@@ -370,12 +399,9 @@ class PipelineRunner:
                     + f"; rank {self.rank} stopped at the start of step {step}",
                     rank=culprits[0],
                 )
-            values = check_step(gathered)
-            answer.append(values != self._last_signature)
-            self._last_signature = values
-            return answer[0]
+            return learn(check_step(gathered))
 
-        return agreed
+        return agreed, (from_rank_zero if self.options.step_boundary == "overlap" else agreed)
 
     def step(
         self,
@@ -459,7 +485,7 @@ class PipelineRunner:
                         f"rank {self.rank} could not start step {progress.step}: "
                         f"{type(error).__name__}: {error}"
                     )
-            agreed = self._agree(training, inputs, targets, batch, problem is not None)
+            agreed, learning = self._agree(training, inputs, targets, batch, problem is not None)
             if problem is not None:
                 with contextlib.suppress(Exception):
                     agreed()  # the others are in the all-gather: complete it, then stop
@@ -471,7 +497,7 @@ class PipelineRunner:
             scale = 1.0 / m if self.options.loss_reduction == "mean" else 1.0
             self._executor.begin_step(targets_by_microbatch, scale)
             if transport is not None:
-                transport.begin_step(program, agreed)
+                transport.begin_step(program, learning)
             self._run(program, batch)
             if transport is not None:
                 transport.end_step()

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-#: the step boundaries a runner knows
-BOUNDARIES = ("sync", "overlap")
+from cutpipe.sim.steps import BOUNDARIES
+
 #: what torch's clip_grad_norm_ adds to the norm before dividing
 CLIP_EPSILON = 1e-6
 

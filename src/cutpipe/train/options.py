@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cutpipe.sim.steps import BOUNDARIES
+
 DTYPES = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
 #: data parallelism next to the pipeline (cutpipe.runtime.data_parallel, cutpipe.runtime.fsdp)
@@ -76,8 +78,6 @@ class TrainOptions:
     skip_nonfinite: bool = False
 
     def __post_init__(self) -> None:
-        from cutpipe.runtime.step_boundary import BOUNDARIES
-
         problems = []
         for name in ("steps", "grad_accum", "keep"):
             value = getattr(self, name)
