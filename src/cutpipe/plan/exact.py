@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from itertools import pairwise
 
-from cutpipe.plan import scheduler
+from cutpipe.plan import caps, scheduler
 from cutpipe.records import count
 from cutpipe.schedule.codes import B_CODE, BW_CODE, F_CODE, KIND_BITS, KIND_MASK, W_CODE, Codec
 from cutpipe.schedule.dataflow import ACTIVATION, Dataflow
@@ -80,7 +80,7 @@ def _memory(costs: Costs, S: int, cap: float) -> tuple[list[list[int]], int, boo
     act = costs.per_stage("activation", S)
     up = lambda v: math.ceil(v - 1e-6)  # noqa: E731  (but not past float noise)
     sizes, scale, exact = _scaled([*act, *(a * costs.w_memory for a in act)], MEMORY_STEPS, up)
-    limit = cap + scheduler.CAP_SLACK / 2 * max(1.0, abs(cap))  # what ``within`` lets through
+    limit = cap + caps.CAP_SLACK / 2 * max(1.0, abs(cap))  # what ``within`` lets through
     by_b = [t - w for t, w in zip(sizes[:S], sizes[S:], strict=True)]
     return [by_b, sizes[S:]], math.floor(Fraction(limit) * scale), exact
 
@@ -106,7 +106,7 @@ def _check(placement: str, ranks: int, m: int, costs: Costs, cap: float | None, 
     cap = scheduler.default_cap(placement, ranks, costs) if cap is None else cap
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap):
         raise ValueError(f"exact_schedule: memory_cap must be a finite number, got {cap!r}")
-    if not scheduler.within(smallest := scheduler.smallest_cap(kind, costs), cap):
+    if not caps.within(smallest := scheduler.smallest_cap(kind, costs), cap):
         raise ValueError(f"memory cap {cap:g} is below the smallest possible peak {smallest:g}: "
                          "a rank must hold one activation of each stage it runs")  # fmt: skip
     return kind, cap
@@ -234,7 +234,7 @@ def exact_schedule(
         raise TimeoutError(f"no schedule found in {time_limit:g} s: raise time_limit")
     codes = tuple(tuple(sorted(mine, key=lambda c: solver.Value(start[c]))) for mine in per_rank)
     schedule = Schedule("exact" if placement == "linear" else "exact-v", kind, m, codes)
-    if not scheduler.within(max(peak_activations(schedule, costs)), cap):
+    if not caps.within(max(peak_activations(schedule, costs)), cap):
         raise RuntimeError(f"exact_schedule broke the memory cap {cap:g}: a bug, please report")
     value = OBJECTIVES[objective](metrics(simulate(schedule, costs), costs))
     bound = min(value, (solver.BestObjectiveBound() - slack) / scale)
