@@ -14,6 +14,7 @@ from cutpipe.models import mlp
 from cutpipe.runtime import PipelineRunner, RunnerOptions, run
 from cutpipe.runtime.step_boundary import gradient_word, verdict
 from cutpipe.sim.steps import simulate_steps
+from cutpipe.train.options import TrainOptions
 
 #: a linear and a V schedule, DualPipe's mirrored copies, SGD's momentum, bf16 autocast
 CASES = [("zbv", 4, "adamw"), ("dualpipe", 4, "sgd"), ("1f1b", 3, "adamw-bf16")]
@@ -123,3 +124,16 @@ def test_emulated_steps_overlap_as_the_simulator_predicts():
         }
         ratio = predicted["overlap"] / predicted["sync"]
         assert measured[name]["ratio"] == pytest.approx(ratio, abs=0.02), (name, measured[name])
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"step_boundary": "later"}, "step_boundary must be one of sync, overlap"),
+        ({"step_boundary": "overlap", "grad_accum": 2}, "use --grad-accum 1"),
+        ({"skip_nonfinite": True, "dp": 2, "dp_mode": "fsdp"}, "use --dp-mode allreduce"),
+    ],
+)
+def test_training_options_refuse_what_the_runners_step_cannot_do(changes, message):
+    with pytest.raises(ValueError, match=message):
+        TrainOptions(model="model.yaml", schedule="zbv", **changes)
