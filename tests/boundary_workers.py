@@ -63,23 +63,28 @@ def reference(kind: str, m: int, steps: int) -> tuple[list[torch.Tensor], int, i
     return [p.detach().clone() for p in model.parameters()], clipped, skipped
 
 
-def train(name: str, m: int, kind: str, boundary: str, steps: int) -> tuple[dict, int, list]:
+def train(
+    name: str, m: int, kind: str, boundary: str, steps: int, mesh=None
+) -> tuple[dict, int, list]:
     """This rank's parameters (by name) after ``steps`` pipeline steps, its rollbacks, and the
     losses: returned by each step (sync), or carried by each step's verdict (overlap)."""
     from cutpipe.runtime import PipelineRunner
 
-    schedule = generate(name, torch.distributed.get_world_size(), m)
+    ranks = torch.distributed.get_world_size(None if mesh is None else mesh.pp_group)
+    schedule = generate(name, ranks, m)
+    parallel = {} if mesh is None else {"group": mesh.pp_group, "reducer": mesh.gradient_reducer()}
     runner = PipelineRunner.from_sequential(
         schedule, mlp(blocks=4, width=WIDTH, seed=3), nn.MSELoss(),
-        clip_grad_norm=MAX_NORM, skip_nonfinite=True, step_boundary=boundary,
+        clip_grad_norm=MAX_NORM, skip_nonfinite=True, step_boundary=boundary, **parallel,
     )  # fmt: skip
     optimizer = make_optimizer(kind, runner.parameters())
     rate = schedule_for(optimizer)
     autocast = kind.endswith("bf16")
     losses = []
     for step in range(steps):
+        batch = data(step, m) if mesh is None else map(mesh.shard, data(step, 2 * m))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = runner.step(*data(step, m), optimizer=optimizer)
+            loss = runner.step(*batch, optimizer=optimizer)
         rate.step()
         if boundary == "sync":
             losses.append(float(loss))
@@ -123,3 +128,17 @@ def post_validation(rank: int, world: int, cases: list[tuple[str, int, str]], st
             "skipped": skipped,
         })  # fmt: skip
     return results
+
+
+def post_validation_dp(rank: int, world: int, steps: int) -> dict:
+    """PP2 x DP2, each replica half of every batch (the NaN of step 7 in one replica's half):
+    the two boundaries bitwise equal, and every clipped or skipped step rolled back."""
+    from cutpipe.runtime.mesh import build_mesh
+
+    mesh = build_mesh(pp=2, dp=2)
+    synced, _, _ = train("zbv", 4, "adamw", "sync", steps, mesh)
+    overlapped, rollbacks, _ = train("zbv", 4, "adamw", "overlap", steps, mesh)
+    return {
+        "bitwise": all(torch.equal(synced[k], overlapped[k]) for k in synced),
+        "rollbacks": rollbacks,
+    }

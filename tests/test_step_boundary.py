@@ -40,6 +40,16 @@ def test_overlapped_steps_equal_synchronous_clipping_and_skipping_bitwise():
                 assert result["error"] <= 1e-6, case
 
 
+@pytest.mark.timeout(180)
+def test_with_data_parallel_replicas_a_nan_in_one_replica_skips_the_step_everywhere():
+    """The replicas' gradients are averaged before the verdict, so every pipeline of the mesh
+    reads the same one: a NaN in one replica's half of the batch rolls back every rank."""
+    steps = 12  # the loud steps 3 and 11, the NaN of step 7
+    for result in run(workers.post_validation_dp, 4, (steps,), timeout=150):
+        assert result["bitwise"]
+        assert result["rollbacks"] == len({s for s in workers.LOUD_STEPS if s < steps}) + 1
+
+
 def one_rank_runner(boundary: str, **options) -> tuple[PipelineRunner, torch.optim.Optimizer]:
     runner = PipelineRunner.from_sequential(
         generate("1f1b", 1, 2), mlp(blocks=2, width=workers.WIDTH, seed=3), nn.MSELoss(),
