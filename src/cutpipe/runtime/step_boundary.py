@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from cutpipe.sim.steps import BOUNDARIES
 
@@ -75,7 +76,7 @@ def gradient_word(
     (a non-finite value makes it NaN or infinite), its share of the step's loss and how many
     microbatch losses it computed."""
     grads = [p.grad.detach() for p in parameters if p.grad is not None]
-    if any(type(g) is not torch.Tensor and hasattr(g, "placements") for g in grads):
+    if any(isinstance(g, DTensor) for g in grads):
         raise TypeError(
             "the runner's clip_grad_norm and skip_nonfinite count plain gradients; these are "
             "DTensor shards (FSDP or tensor parallelism): clip with "
