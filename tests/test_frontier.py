@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -11,7 +12,14 @@ from hypothesis import strategies as st
 
 from cutpipe.cli.main import main
 from cutpipe.plan.bounds import span_bubble, warmup_span_lower_bound
-from cutpipe.plan.frontier import FACTORS, frontier, marks, placement_costs, span_first
+from cutpipe.plan.frontier import (
+    FACTORS,
+    frontier,
+    marks,
+    placement_costs,
+    span_first,
+    w_memory_sweep,
+)
 from cutpipe.plan.rounds import rounds_schedule
 from cutpipe.plan.scheduler import FIXED, cost_aware, default_cap, round_trips
 from cutpipe.schedule.placement import Placement
@@ -89,6 +97,39 @@ def test_the_zero_bubble_papers_v_setting_at_one_and_a_half_times_1f1b_memory():
     the span bubble to 0.0094 (0.0228 without; the paper's V scheduler reports 0.0065)."""
     (point,) = frontier(16, 48, CHUNK, factors=(1.5,), placements=("v",))
     assert point.bubble <= 0.0095
+
+
+def test_less_memory_held_for_w_never_gives_a_worse_schedule_when_swept_down():
+    """On the paper's V at 1.5x, searched alone, a B that keeps none of its activation for its W
+    gives a worse span bubble (0.0017) than one that keeps a quarter (0); swept down from the
+    larger share (``w_memory_sweep``), the smaller one starts from its schedule, which fits."""
+    cap = 1.5 * default_cap("v", 16, CHUNK)
+    alone = cost_aware("v", 16, 48, replace(CHUNK, w_memory=0.0), cap, span_first,
+                       search_evaluations=0)  # fmt: skip
+    swept = w_memory_sweep("v", 16, 48, CHUNK, cap, shares=(0.25, 0.0), evaluations=0)
+    bubbles = [bubble(schedule, replace(CHUNK, w_memory=share)) for share, schedule in swept]
+    assert bubbles[1] <= bubbles[0] == 0.0 < bubble(alone, replace(CHUNK, w_memory=0.0))
+    with pytest.raises(ValueError, match="decreasing"):
+        w_memory_sweep("v", 2, 4, CHUNK, cap, shares=(0.0, 0.5))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    kind=st.sampled_from(("linear", "v")),
+    ranks=st.integers(2, 4),
+    extra=st.integers(0, 4),
+    f=st.integers(1, 9),
+    b=st.integers(1, 9),
+    w=st.integers(1, 9),
+    comm=st.integers(0, 3),
+    factor=st.sampled_from(FACTORS),
+)
+def test_a_w_memory_sweep_is_monotone(kind, ranks, extra, f, b, w, comm, factor):
+    costs = Costs(f=f, b=b, w=w, comm=comm)
+    cap = factor * default_cap(kind, ranks, costs)
+    swept = w_memory_sweep(kind, ranks, 2 * ranks + extra, costs, cap, evaluations=10)
+    bubbles = [bubble(schedule, replace(costs, w_memory=share)) for share, schedule in swept]
+    assert bubbles == sorted(bubbles, reverse=True)
 
 
 @settings(max_examples=25, deadline=None)

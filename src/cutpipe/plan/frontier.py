@@ -12,7 +12,7 @@ schedule. The fixed schedules are marked at their own peaks; the lower bounds of
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cutpipe.plan.bounds import bubble_lower_bound
 from cutpipe.plan.scheduler import cost_aware, default_cap, placement_for
@@ -94,6 +94,40 @@ def frontier(
             if progress is not None:
                 progress(f"{placement} {factor:g}x: {result.bubble_ratio_span:.4f}")
     return points
+
+
+#: ``w_memory_sweep``'s default shares of an activation a B keeps until its W, largest first.
+W_SHARES = (0.5, 0.25, 0.0)
+
+
+def w_memory_sweep(
+    placement: str,
+    ranks: int,
+    microbatches: int,
+    costs: Costs,
+    cap: float,
+    shares: Sequence[float] = W_SHARES,
+    evaluations: int | None = None,
+    seed: int = 0,
+) -> list[tuple[float, Schedule]]:
+    """The best span-bubble schedule under ``cap`` for each ``w_memory`` of ``shares``, searched
+    from the largest share down, each search starting from the schedule of the share before.
+
+    A B that keeps less of its activation for its W holds less memory, so a schedule that fits
+    under the cap with a larger share fits with a smaller one: passing it as ``start`` makes less
+    memory held never give a worse result. Searched alone, it can: on the zero-bubble paper's V
+    at 1.5 times 1F1B's memory, w_memory 0.25 reaches a span bubble of 0 and w_memory 0 only
+    0.0017 (docs/plan.md, "The memory/bubble frontier").
+    """
+    if list(shares) != sorted(shares, reverse=True) or not shares:
+        raise ValueError(f"w_memory shares must be decreasing, got {list(shares)}")
+    found, best = [], None
+    for share in shares:
+        best = cost_aware(placement, ranks, microbatches, replace(costs, w_memory=share), cap,
+                          span_first, search_evaluations=evaluations, seed=seed,
+                          start=best)  # fmt: skip
+        found.append((share, best))
+    return found
 
 
 def marks(ranks: int, microbatches: int, chunk: Costs) -> list[Mark]:

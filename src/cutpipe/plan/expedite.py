@@ -1,0 +1,112 @@
+"""Expedite the critical path: move the ops that wait for their rank on it earlier.
+
+The longest span ends in a chain of ops, each started either when its input arrived or when its
+rank became free. Where an op on that chain waited for its rank although its input was there,
+the ops its rank ran in between delayed the whole chain; moving the op before them shortens the
+chain by up to that wait (they then run after it, and the simulator says what that costs). On
+the frontier's shapes the chain is the last microbatches' forwards up the pipe and their
+backwards down, and each rank it crosses holds it up a little with a W or another backward:
+adjacent swaps on the longest-span rank (``scheduler.improve``) never reach those ranks within
+their budget, and one such move alone rarely shortens the step, since the chain's other waits
+still hold it, so moves that keep the step and get its F and B passes done sooner are kept too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from cutpipe.plan.caps import within
+from cutpipe.schedule.codes import KIND_MASK, W_CODE, Codec
+from cutpipe.schedule.schedule import Schedule
+from cutpipe.sim.costs import Costs
+from cutpipe.sim.metrics import metrics
+from cutpipe.sim.simulate import simulate
+from cutpipe.sim.timeline import Timeline
+
+#: How many places earlier one move may take an op: waits longer than a few ops are rare on
+#: the chain, and each place costs a simulation.
+REACH = 4
+#: Times closer than this count as equal (the simulator adds costs in different orders).
+EPSILON = 1e-6
+
+
+def _waits(
+    schedule: Schedule, timeline: Timeline, latency: float
+) -> Iterator[tuple[int, int, int]]:
+    """Along the longest span's critical path, from its end back: (rank, index, earliest) for
+    each op that waited for its rank, ``earliest`` the first place in the rank's order it may
+    move to (the first op its rank started after the op's input arrived, ``REACH`` at most)."""
+    flow, codes = schedule.dataflow, schedule.codes
+    codec = Codec(schedule.num_stages, schedule.num_microbatches)
+    where = {code: (rank, i) for rank, ops in enumerate(codes) for i, code in enumerate(ops)}
+    starts, ends = timeline.starts, timeline.ends
+    spans = [e[-1] - s[0] if len(s) else 0.0 for s, e in zip(starts, ends, strict=True)]
+    rank = max(range(schedule.num_ranks), key=lambda r: spans[r])
+    i = len(codes[rank]) - 1
+    while i > 0:
+        code, start = codes[rank][i], starts[rank][i]
+        key = flow.awaits(code)
+        arrive, producer = -1.0, None
+        if key is not None:
+            producer = where[codec.action(key[0], key[1], key[2])]
+            arrive = ends[producer[0]][producer[1]] + (latency if producer[0] != rank else 0.0)
+        if arrive >= start - EPSILON and producer is not None:  # waited for its input
+            rank, i = producer
+            continue
+        earliest = i
+        while earliest > max(0, i - REACH) and starts[rank][earliest - 1] >= arrive - EPSILON:
+            earliest -= 1
+        if earliest < i:
+            yield rank, i, earliest
+        i -= 1
+
+
+def _passes_done(schedule: Schedule, timeline: Timeline) -> float:
+    """The sum of the ends of every F and B: among orders of equal step, the one whose
+    critical passes end sooner is nearer to a shorter step."""
+    return sum(
+        end
+        for ops, ends in zip(schedule.codes, timeline.ends, strict=True)
+        for code, end in zip(ops, ends, strict=True)
+        if code < 0 or code & KIND_MASK != W_CODE
+    )
+
+
+def expedite(
+    schedule: Schedule, costs: Costs, cap: float, score: Callable, evaluations: int
+) -> Schedule:
+    """Move ops that wait for their rank on the critical path earlier (``_waits``), keeping a
+    move when the step scores better, or the same with its F and B passes done sooner, and the
+    cap holds; at most ``evaluations`` simulations. Schedules with overlapped pairs or several
+    pipes come back unchanged."""
+    if schedule.placement.num_pipes != 1 or any(c < 0 for ops in schedule.codes for c in ops):
+        return schedule
+    latency = costs.comm
+    best, timeline = schedule, simulate(schedule, costs)
+    best_score = (score(metrics(timeline, costs)), _passes_done(best, timeline))
+    budget, improved = evaluations, True
+    while improved and budget > 0:
+        improved = False
+        for rank, i, earliest in _waits(best, timeline, latency):
+            for there in range(i - 1, earliest - 1, -1):
+                if budget <= 0:
+                    break
+                budget -= 1
+                ops = list(best.codes[rank])
+                ops.insert(there, ops.pop(i))
+                codes = (*best.codes[:rank], tuple(ops), *best.codes[rank + 1 :])
+                candidate = Schedule(best.name, best.placement, best.num_microbatches, codes)
+                try:
+                    trial = simulate(candidate, costs)
+                except ValueError:  # moved before what it waits for
+                    continue
+                result = metrics(trial, costs)
+                if not within(max(result.peak_activations_per_rank), cap):
+                    continue
+                value = (score(result), _passes_done(candidate, trial))
+                if value < best_score:
+                    best, timeline, best_score, improved = candidate, trial, value, True
+                    break
+            if improved or budget <= 0:
+                break
+    return best
