@@ -16,6 +16,8 @@ WIDTH = 8
 LOUD_STEPS = frozenset({3, 11, 12, 19, 26})
 NAN_STEP = 7
 MAX_NORM = 1.0
+#: how late the last rank comes to each round of ``first_word_early`` (seconds)
+LATE = 0.6
 
 
 def data(step: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,3 +144,36 @@ def post_validation_dp(rank: int, world: int, steps: int) -> dict:
         "bitwise": all(torch.equal(synced[k], overlapped[k]) for k in synced),
         "rollbacks": rollbacks,
     }
+
+
+def first_word_early(rank: int, world: int) -> dict[str, dict]:
+    """Two rounds of the step agreement with the last rank late to each, on the point-to-point
+    exchange and on the all-gather: how long the other ranks waited for rank 0's word, and
+    whether every rank got every word."""
+    import time
+
+    import torch.distributed as dist
+
+    from cutpipe.runtime.collectives import Collectives
+    from cutpipe.runtime.heartbeat import Progress
+
+    results = {}
+    for kind in ("exchange", "all-gather"):
+        collectives = Collectives(
+            dist.group.WORLD, list(range(world)), rank, Progress(), early_first_word=True,
+            exchange=kind == "exchange",
+        )  # fmt: skip
+        waits, complete = [], True
+        for step in range(2):
+            if rank == world - 1:
+                time.sleep(LATE)
+            word = torch.tensor([step, rank, 7], dtype=torch.int64)
+            words = collectives.start_gather(word, f"round {step}")
+            began = time.perf_counter()
+            first = words.first()
+            waits.append(time.perf_counter() - began)
+            complete &= first.tolist() == [step, 0, 7]
+            complete &= words().tolist() == [[step, r, 7] for r in range(world)]
+            dist.barrier()
+        results[kind] = {"waits": waits, "complete": complete}
+    return results

@@ -50,6 +50,17 @@ def test_with_data_parallel_replicas_a_nan_in_one_replica_skips_the_step_everywh
         assert result["rollbacks"] == len({s for s in workers.LOUD_STEPS if s < steps}) + 1
 
 
+@pytest.mark.timeout(120)
+def test_rank_zeros_agreement_word_comes_without_waiting_for_a_late_rank():
+    """Overlap's first transfer waits for rank 0's word only: with the point-to-point exchange
+    (gloo) and with the all-gather (NCCL's), beside which rank 0's word travels on its own."""
+    for rank, results in enumerate(run(workers.first_word_early, 3, timeout=90)):
+        for kind, result in results.items():
+            assert result["complete"], (rank, kind)
+            if rank < 2:  # the last rank comes late to every round
+                assert max(result["waits"]) < workers.LATE / 2, (rank, kind, result["waits"])
+
+
 def one_rank_runner(boundary: str, **options) -> tuple[PipelineRunner, torch.optim.Optimizer]:
     runner = PipelineRunner.from_sequential(
         generate("1f1b", 1, 2), mlp(blocks=2, width=workers.WIDTH, seed=3), nn.MSELoss(),

@@ -134,46 +134,108 @@ class Exchange:
         return Round(finish, first)
 
 
+class FromRankZero:
+    """Rank 0's word of each round, sent point to point to every other rank on a group of its
+    own: beside an all-gather, which completes only once every rank has joined it, this is how a
+    rank learns rank 0's word without waiting for the others."""
+
+    def __init__(self, global_ranks: Sequence[int], rank: int, progress: Progress) -> None:
+        self._group = dist.new_group(list(global_ranks), use_local_synchronization=True)
+        self._rank = rank
+        self._in_group = [dist.get_group_rank(self._group, g) for g in global_ranks]
+        self._progress = progress
+        self._round = 0
+        self._sends: list[tuple[Any, torch.Tensor]] = []  # rank 0's, kept alive until done
+
+    def start(self, word: torch.Tensor, what: str) -> Callable[[], torch.Tensor]:
+        """Rank 0 sends ``word`` to every rank; the returned call gives it (on rank 0 at once,
+        elsewhere once it has come)."""
+        tag, self._round = self._round, self._round + 1
+        if self._rank == 0:
+            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+            for peer in range(1, len(self._in_group)):
+                work = _start(self._group.send, word, peer, self._in_group[peer], tag)
+                self._sends.append((work, word))
+            return lambda: word
+        buffer = torch.empty_like(word)
+        receive = _start(self._group.recv, buffer, 0, self._in_group[0], tag)
+        waited: list[bool] = []
+        progress = self._progress
+
+        def first() -> torch.Tensor:
+            if not waited:  # gloo's wait() on a finished receive never returns again
+                progress.wait_for(0, what)
+                wait(receive, 0)
+                progress.done_waiting()
+                waited.append(True)
+            return buffer
+
+        return first
+
+    def settle(self) -> None:
+        """Rank 0: wait for the sends of rounds every rank has joined."""
+        for work, _ in self._sends:
+            wait(work, None)
+        self._sends.clear()
+
+
 class AllGather:
     """An asynchronous all-gather of one small tensor per round on ``group`` (NCCL's way; on gloo
-    ``Exchange`` is cheaper)."""
+    ``Exchange`` is cheaper), with rank 0's word also sent point to point when ``first`` is
+    given, for a round's ``first()``."""
 
-    def __init__(self, group: dist.ProcessGroup, size: int, progress: Progress) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, size: int, progress: Progress,
+        first: FromRankZero | None = None,
+    ) -> None:  # fmt: skip
         self._group = group
         self._size = size
         self._progress = progress
+        self._first = first
 
     def start(self, word: torch.Tensor, what: str) -> Round:
         words = [torch.empty_like(word) for _ in range(self._size)]
         work = collective(dist.all_gather, words, word, group=self._group, async_op=True)
+        first = self._first.start(word, what) if self._first is not None else None
         progress = self._progress
 
         def finish() -> torch.Tensor:
             progress.wait_for(None, what)
             wait(work, None)
+            if self._first is not None:
+                if first is not None:
+                    first()  # a receive is waited for before its round ends
+                self._first.settle()  # every rank is in this round: rank 0's sends are done
             progress.done_waiting()
             return torch.stack(words).cpu()
 
-        return Round(finish)  # a collective: rank 0's word comes with everyone's
+        return Round(finish, first)  # without ``first``: rank 0's word comes with everyone's
 
 
 class Collectives:
     """The collectives of one rank of a pipeline group of two or more ranks. On gloo the step's
-    agreement is an ``Exchange``; elsewhere (NCCL) an all-gather."""
+    agreement is an ``Exchange`` (``exchange`` overrides the choice); elsewhere (NCCL) an
+    all-gather, beside which rank 0's word also travels point to point when
+    ``early_first_word`` (``step_boundary="overlap"``: a step's first transfer waits only for
+    it)."""
 
     def __init__(
-        self, group: dist.ProcessGroup, global_ranks: Sequence[int], rank: int, progress: Progress
-    ) -> None:
+        self, group: dist.ProcessGroup, global_ranks: Sequence[int], rank: int, progress: Progress,
+        *, early_first_word: bool = False, exchange: bool | None = None,
+    ) -> None:  # fmt: skip
         self._group = group
         self._global = list(global_ranks)
         self._rank = rank
         self._progress = progress
         self._mirror: dist.ProcessGroup | None = None
         self._mirror_peer = -1
-        self._exchange = (
-            Exchange(global_ranks, rank, progress) if dist.get_backend(group) == "gloo" else None
-        )
-        self._agreement = self._exchange or AllGather(group, len(global_ranks), progress)
+        if exchange is None:
+            exchange = dist.get_backend(group) == "gloo"
+        self._exchange = Exchange(global_ranks, rank, progress) if exchange else None
+        self._agreement = self._exchange or AllGather(
+            group, len(global_ranks), progress,
+            FromRankZero(global_ranks, rank, progress) if early_first_word else None,
+        )  # fmt: skip
 
     def _waiting(self, what: str, peer: int | None = None) -> None:
         self._progress.wait_for(peer, what)

@@ -154,7 +154,10 @@ class PipelineRunner:
             self._boundary = self._step_boundary()
             return
         options = self.options
-        self._collectives = Collectives(self.group, self._global, self.rank, self.progress)
+        self._collectives = Collectives(
+            self.group, self._global, self.rank, self.progress,
+            early_first_word=options.step_boundary == "overlap",
+        )  # fmt: skip
         self._boundary = self._step_boundary()
         make_transport = options.make_transport or default_transport
         self._transport = make_transport(
