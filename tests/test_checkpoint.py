@@ -80,7 +80,8 @@ def test_a_dualpipe_checkpoint_loads_into_every_layout(tmp_path):
     assert (directory / POINTER).read_text().strip() == "step-000003"
     assert latest_checkpoint(directory) == step_folder(directory, 3)
 
-    for layout, ranks in (("v", 2), ("other", 4)):
+    # another layout on as many ranks (tests/test_train.py resumes it on DualPipeV's 2 ranks)
+    for layout, ranks in (("other", 4),):
         out = tmp_path / layout
         out.mkdir()
         results = run(workers.load_layout, ranks, (str(directory), layout, str(out)), timeout=200)
