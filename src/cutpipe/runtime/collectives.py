@@ -202,9 +202,8 @@ class AllGather:
         def finish() -> torch.Tensor:
             progress.wait_for(None, what)
             wait(work, None)
-            if self._first is not None:
-                if first is not None:
-                    first()  # a receive is waited for before its round ends
+            if first is not None and self._first is not None:
+                first()  # no receive outlives its round
                 self._first.settle()  # every rank is in this round: rank 0's sends are done
             progress.done_waiting()
             return torch.stack(words).cpu()
