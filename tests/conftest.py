@@ -39,6 +39,21 @@ def named_shapes(draw, max_ranks: int = 10, extra_microbatches: int = 24):
     return (name, *draw(valid_shapes(name, max_ranks, extra_microbatches)))
 
 
+@st.composite
+def capped_problems(draw, kinds=("linear", "v"), max_ranks: int = 5, max_extra: int = 8):
+    """A memory-capped search problem: (placement kind, ranks, microbatches (2R and up), integer
+    costs with communication, the cap as a factor of 1F1B's peak from the frontier's)."""
+    from cutpipe.plan.frontier import FACTORS
+    from cutpipe.sim.costs import Costs
+
+    kind = draw(st.sampled_from(kinds))
+    ranks = draw(st.integers(2, max_ranks))
+    m = 2 * ranks + draw(st.integers(0, max_extra))
+    f, b, w = (draw(st.integers(1, 9)) for _ in range(3))
+    costs = Costs(f=f, b=b, w=w, comm=draw(st.integers(0, 3)))
+    return kind, ranks, m, costs, draw(st.sampled_from(FACTORS))
+
+
 #: Costs that add up exactly in binary floating point, so closed forms can be checked with ==.
 dyadic = st.integers(1, 16).map(lambda k: k / 4)
 

@@ -7,8 +7,8 @@ import json
 from dataclasses import replace
 
 import pytest
+from conftest import capped_problems
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from cutpipe.cli.main import main
 from cutpipe.plan.bounds import span_bubble, warmup_span_lower_bound
@@ -114,37 +114,19 @@ def test_less_memory_held_for_w_never_gives_a_worse_schedule_when_swept_down():
 
 
 @settings(max_examples=15, deadline=None)
-@given(
-    kind=st.sampled_from(("linear", "v")),
-    ranks=st.integers(2, 4),
-    extra=st.integers(0, 4),
-    f=st.integers(1, 9),
-    b=st.integers(1, 9),
-    w=st.integers(1, 9),
-    comm=st.integers(0, 3),
-    factor=st.sampled_from(FACTORS),
-)
-def test_a_w_memory_sweep_is_monotone(kind, ranks, extra, f, b, w, comm, factor):
-    costs = Costs(f=f, b=b, w=w, comm=comm)
+@given(capped_problems(max_ranks=4, max_extra=4))
+def test_a_w_memory_sweep_is_monotone(problem):
+    kind, ranks, m, costs, factor = problem
     cap = factor * default_cap(kind, ranks, costs)
-    swept = w_memory_sweep(kind, ranks, 2 * ranks + extra, costs, cap, evaluations=10)
+    swept = w_memory_sweep(kind, ranks, m, costs, cap, evaluations=10)
     bubbles = [bubble(schedule, replace(costs, w_memory=share)) for share, schedule in swept]
     assert bubbles == sorted(bubbles, reverse=True)
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    ranks=st.integers(2, 5),
-    extra=st.integers(0, 8),
-    f=st.integers(1, 9),
-    b=st.integers(1, 9),
-    w=st.integers(1, 9),
-    comm=st.integers(0, 3),
-    factor=st.sampled_from(FACTORS),
-)
-def test_a_v_built_in_rounds_is_valid_and_fits_its_cap(ranks, extra, f, b, w, comm, factor):
-    costs = Costs(f=f, b=b, w=w, comm=comm)
-    m = 2 * ranks + extra
+@given(capped_problems(kinds=("v",)))
+def test_a_v_built_in_rounds_is_valid_and_fits_its_cap(problem):
+    _, ranks, m, costs, factor = problem
     cap = factor * default_cap("v", ranks, costs)
     built = rounds_schedule(Placement.vshape(ranks), m, costs, cap)
     if built is None:  # no rounds policy fits this cap: the search has other candidates
@@ -168,19 +150,9 @@ def test_round_trips_follow_one_microbatch_to_the_loss_and_back():
 
 
 @settings(max_examples=30, deadline=None)
-@given(
-    kind=st.sampled_from(("linear", "v")),
-    ranks=st.integers(2, 5),
-    extra=st.integers(0, 6),
-    f=st.integers(1, 9),
-    b=st.integers(1, 9),
-    w=st.integers(1, 9),
-    comm=st.integers(0, 3),
-    factor=st.sampled_from(FACTORS),
-)
-def test_no_schedule_beats_the_warm_up_bound(kind, ranks, extra, f, b, w, comm, factor):
-    costs = Costs(f=f, b=b, w=w, comm=comm)
-    m = 2 * ranks + extra
+@given(capped_problems(max_extra=6))
+def test_no_schedule_beats_the_warm_up_bound(problem):
+    kind, ranks, m, costs, factor = problem
     cap = factor * default_cap(kind, ranks, costs)
     placement = Placement.linear(ranks) if kind == "linear" else Placement.vshape(ranks)
     floor = warmup_span_lower_bound(placement, m, costs, cap)

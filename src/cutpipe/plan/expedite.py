@@ -61,9 +61,11 @@ def _waits(
         i -= 1
 
 
-def _passes_done(schedule: Schedule, timeline: Timeline) -> float:
-    """The sum of the ends of every F and B: among orders of equal step, the one whose
-    critical passes end sooner is nearer to a shorter step."""
+def passes_done(schedule: Schedule, timeline: Timeline) -> float:
+    """The sum of the ends of every F and B (W passes left out): the tie-break of this search
+    and of the scheduler's local search. Among orders of equal objective it prefers those that
+    get the critical passes done sooner, which is how a search crosses plateaus that two moves on
+    two ranks would cross together."""
     return sum(
         end
         for ops, ends in zip(schedule.codes, timeline.ends, strict=True)
@@ -83,7 +85,7 @@ def expedite(
         return schedule
     latency = costs.comm
     best, timeline = schedule, simulate(schedule, costs)
-    best_score = (score(metrics(timeline, costs)), _passes_done(best, timeline))
+    best_score = (score(metrics(timeline, costs)), passes_done(best, timeline))
     budget, improved = evaluations, True
     while improved and budget > 0:
         improved = False
@@ -103,7 +105,7 @@ def expedite(
                 result = metrics(trial, costs)
                 if not within(max(result.peak_activations_per_rank), cap):
                     continue
-                value = (score(result), _passes_done(candidate, trial))
+                value = (score(result), passes_done(candidate, trial))
                 if value < best_score:
                     best, timeline, best_score, improved = candidate, trial, value, True
                     break

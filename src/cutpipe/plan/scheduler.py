@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from cutpipe.plan.caps import within
 from cutpipe.plan.cooldown import settle_cooldown
 from cutpipe.plan.events import Ranks
-from cutpipe.plan.expedite import expedite
+from cutpipe.plan.expedite import expedite, passes_done
 from cutpipe.plan.progress import progress
 from cutpipe.plan.rounds import ROUND_PASSES, rounds_schedule
 from cutpipe.records import count
@@ -46,7 +46,6 @@ from cutpipe.sim.costs import PER_STAGE, Costs
 from cutpipe.sim.memory import peak_activations
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
-from cutpipe.sim.timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -362,25 +361,13 @@ def _moves(ops: tuple[int, ...], first: int) -> Iterator[list[int]]:
                 yield moved
 
 
-def _passes_done(schedule: Schedule, timeline: Timeline) -> float:
-    """The sum of the ends of every F and B (W passes left out): a tie-break for the local
-    search. Among orders of equal objective it prefers those that get the critical passes done
-    sooner, which is how it crosses plateaus that two moves on two ranks would cross together."""
-    return sum(
-        end
-        for ops, ends in zip(schedule.codes, timeline.ends, strict=True)
-        for code, end in zip(ops, ends, strict=True)
-        if code < 0 or code & KIND_MASK != W_CODE
-    )
-
-
 def improve(
     schedule: Schedule, costs: Costs, cap: float, score: Callable, evaluations: int,
     seconds: float | None = None, seed: int = 0,
 ) -> Schedule:  # fmt: skip
     """Local search: swap neighbouring ops of a rank, or move a W later (``_moves``), when the
     simulator says the step gets faster (or stays as fast with its F and B passes done sooner,
-    ``_passes_done``) and the order stays valid and under the cap;
+    ``plan.expedite.passes_done``) and the order stays valid and under the cap;
     longest-span ranks first (they set the step), first improvement wins, until a sweep finds
     none or ``evaluations`` candidates have been simulated. The budget is a count, so the
     result does not depend on the machine; ``seconds`` may bound it too (then it does).
@@ -392,7 +379,7 @@ def improve(
     best = schedule
     timeline = simulate(best, costs)
     best_result = metrics(timeline, costs)
-    best_score = (score(best_result), _passes_done(best, timeline))
+    best_score = (score(best_result), passes_done(best, timeline))
     improved = True
     while improved and time.monotonic() < deadline and budget > 0:
         improved = False
@@ -414,7 +401,7 @@ def improve(
                 result = metrics(timeline, costs)
                 if not within(max(result.peak_activations_per_rank), cap):
                     continue
-                value = (score(result), _passes_done(candidate, timeline))
+                value = (score(result), passes_done(candidate, timeline))
                 if value < best_score:
                     best, best_result, best_score, improved = candidate, result, value, True
                     break  # this rank's order changed: sweep it again from the new order

@@ -1,7 +1,8 @@
 """The runner's own collectives over the pipeline group, in one small interface.
 
 Besides the point-to-point traffic of the schedule (the transport's), a runner needs a few
-collectives: the step's agreement (an all-gather started in the background), the loss all-reduce,
+collectives: the step's agreement (an all-gather started in the background), the step
+boundary's gradient check (on a side channel of its own), the loss all-reduce,
 DualPipe's mirror sums and the initial copy of its weights, a barrier before a recorded step, and
 gathering measured timelines. Each one says what it waits for (for the watchdog) and turns a
 connection broken by a failed peer into ``PeerLost``. A one-rank pipeline gets ``Alone``, which

@@ -188,11 +188,7 @@ class PipelineRunner:
             step = self.progress.step
             return channel.start(word.to(device), f"the gradient check of step {step}")
 
-        return StepBoundary(
-            options.step_boundary, self.parameters, start_gather,
-            copies=2 if self._mirrored else 1, clip_grad_norm=options.clip_grad_norm,
-            skip_nonfinite=options.skip_nonfinite, validate=options.validates_steps,
-        )  # fmt: skip
+        return StepBoundary(options, self.parameters, start_gather, 2 if self._mirrored else 1)
 
     def _set_up_locally(
         self,
@@ -432,14 +428,14 @@ class PipelineRunner:
                 raise ValueError("a step under torch.no_grad() computes no gradients to step with")
             self.settle()  # forwards must see validated parameters
             return self._step(inputs, targets)
-        if optimizer is None:
-            if self.options.validates_steps and self.options.emulate is None:
+        validates = self.options.validates_steps
+        if optimizer is None and not (validates and self.options.emulate is not None):
+            if validates:  # emulation alone times the boundary without an optimizer
                 raise ValueError(
                     "clip_grad_norm, skip_nonfinite and step_boundary='overlap' act on the "
                     "optimizer step: pass it, runner.step(inputs, targets, optimizer=optimizer)"
                 )
-            if not self.options.validates_steps:
-                return self._step(inputs, targets)
+            return self._step(inputs, targets)
         loss = self._step(inputs, targets)
         if boundary.settle():  # the last step was redone: this one ran on the wrong parameters
             for parameter in self.parameters():
@@ -694,33 +690,33 @@ class PipelineRunner:
             for dst, parcel in self._outbox[index]:
                 self._transport.send(parcel, [by_key[key] for key in parcel], dst)
 
+    def _local_losses(self) -> torch.Tensor:
+        """The sum of this rank's microbatch losses of the last step and how many there were,
+        on the device."""
+        losses = self._executor.losses if self._loss_fn is not None else []
+        local = torch.stack(losses).sum().float() if losses else torch.zeros(())
+        count = torch.tensor(float(len(losses)), device=self.device)
+        return torch.stack([local.to(self.device), count])
+
+    def _reduced(self, total: torch.Tensor) -> torch.Tensor:
+        """A sum of microbatch losses as the step's loss: divided by their count for "mean"."""
+        m = self.schedule.num_microbatches
+        return total / m if self.options.loss_reduction == "mean" else total
+
     def _loss_share(self) -> tuple[float, int]:
         """This rank's part of the last step's loss, and how many microbatch losses made it."""
-        losses = self._executor.losses if self._loss_fn is not None else []
-        if not losses:
-            return 0.0, 0
-        total = float(torch.stack(losses).sum())
-        if self.options.loss_reduction == "mean":
-            total /= self.schedule.num_microbatches
-        return total, len(losses)
+        local = self._local_losses()
+        return float(self._reduced(local[0])), int(local[1])
 
     def _total_loss(self) -> torch.Tensor | None:
         """The step's loss: the loss ranks' sums and counts, added up everywhere (or, with
         ``loss_on_every_rank=False``, this rank's own share, None on ranks that compute none)."""
         if self._loss_fn is None:
             return None
-        losses = self._executor.losses
-        local = torch.stack(losses).sum().float() if losses else torch.zeros(())
-        summary = torch.stack(
-            [local.to(self.device), torch.tensor(float(len(losses)), device=self.device)]
-        )
+        summary = self._local_losses()
         if self.options.loss_everywhere:
             self._collectives.sum(summary, f"the loss all-reduce of step {self.progress.step}")
-        total, count = summary[0], int(summary[1])
-        if count == 0:
-            return None
-        m = self.schedule.num_microbatches
-        return total / m if self.options.loss_reduction == "mean" else total
+        return self._reduced(summary[0]) if int(summary[1]) else None
 
     def outputs(self) -> dict[int, Value]:
         """The last stage's outputs of the last step without targets, by microbatch (this rank's)."""

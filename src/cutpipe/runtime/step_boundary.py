@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from cutpipe.sim.steps import BOUNDARIES
+from cutpipe.runtime.options import RunnerOptions
 
 #: what torch's clip_grad_norm_ adds to the norm before dividing
 CLIP_EPSILON = 1e-6
@@ -127,6 +127,7 @@ class _Undo:
     def __init__(
         self, optimizer: torch.optim.Optimizer, parameters: Sequence[nn.Parameter]
     ) -> None:
+        self.optimizer = optimizer
         self.parameters = list(parameters)
         self.values = [p.detach().clone() for p in self.parameters]
         self.state = {
@@ -142,9 +143,10 @@ class _Undo:
         self.grads = [p.grad for p in self.parameters]
 
     @torch.no_grad()
-    def redo(self, optimizer: torch.optim.Optimizer, ruling: Verdict) -> None:
+    def redo(self, ruling: Verdict) -> None:
         """Put everything back as it was before the step, then take the step ``ruling`` asks for,
         with the hyperparameters it had."""
+        optimizer = self.optimizer
         for parameter, value in zip(self.parameters, self.values, strict=True):
             parameter.copy_(value)
         optimizer.state.clear()
@@ -164,8 +166,7 @@ class _Pending:
     """An optimistic step whose verdict is still travelling."""
 
     gathered: Gathered
-    optimizer: torch.optim.Optimizer | None
-    undo: _Undo | None
+    undo: _Undo | None  # None: no optimizer, nothing to undo
 
 
 class StepBoundary:
@@ -174,40 +175,30 @@ class StepBoundary:
     ``finish(optimizer)`` ends a step whose gradients are final on this rank; ``settle()`` reads
     the verdict still pending (``overlap``) and says whether the last step must run again.
     ``optimizer=None`` takes no optimizer step at all (time emulation measures the boundary's
-    traffic only); ``validate=False`` (sync, nothing to clip or skip) steps without gathering.
+    traffic only). What it does comes from the runner's (checked) options: ``step_boundary``,
+    ``clip_grad_norm``, ``skip_nonfinite``; without anything to validate (sync, nothing to clip
+    or skip) it steps without gathering.
     """
 
     def __init__(
         self,
-        boundary: str,
+        options: RunnerOptions,
         parameters: Callable[[], Sequence[nn.Parameter]],
         start_gather: Callable[[torch.Tensor], Gathered],
-        *,
         copies: int = 1,
-        clip_grad_norm: float | None = None,
-        skip_nonfinite: bool = False,
-        validate: bool = True,
     ) -> None:
-        if boundary not in BOUNDARIES:
-            raise ValueError(
-                f"step_boundary must be one of {', '.join(BOUNDARIES)}, got {boundary!r}"
-            )
-        self.boundary = boundary
+        self.boundary = options.step_boundary
         self._parameters = parameters
         self._start_gather = start_gather
         self._copies = copies
-        self._clip = clip_grad_norm
-        self._skip = skip_nonfinite
-        self._validate = validate
+        self._clip = options.clip_grad_norm
+        self._skip = options.skip_nonfinite
+        self._validate = options.validates_steps
         self._pending: _Pending | None = None
         #: the verdict on the last step it was read for
         self.last: Verdict | None = None
         #: how many optimistic steps were undone and redone
         self.rollbacks = 0
-
-    @property
-    def pending(self) -> bool:
-        return self._pending is not None
 
     def _rule(self, words: torch.Tensor) -> Verdict:
         self.last = verdict(words, self._copies, self._clip, self._skip)
@@ -234,7 +225,7 @@ class StepBoundary:
         if optimizer is not None:
             undo = _Undo(optimizer, parameters)
             _apply(optimizer, parameters, OPTIMISTIC)  # the undo record keeps the gradients
-        self._pending = _Pending(gathered, optimizer, undo)
+        self._pending = _Pending(gathered, undo)
 
     def settle(self) -> bool:
         """Read the pending verdict (if any); True when the optimistic step was wrong and has just
@@ -246,8 +237,8 @@ class StepBoundary:
         if ruling.as_stepped_optimistically:
             return False
         self.rollbacks += 1
-        if pending.undo is not None and pending.optimizer is not None:
-            pending.undo.redo(pending.optimizer, ruling)
+        if pending.undo is not None:
+            pending.undo.redo(ruling)
             # autocast keeps its casts of the parameters until its outermost region ends: the
             # step that runs again inside the same region must not reuse the stale ones
             torch.clear_autocast_cache()
