@@ -9,6 +9,9 @@ backwards down, and each rank it crosses holds it up a little with a W or anothe
 adjacent swaps on the longest-span rank (``scheduler.improve``) never reach those ranks within
 their budget, and one such move alone rarely shortens the step, since the chain's other waits
 still hold it, so moves that keep the step and get its F and B passes done sooner are kept too.
+Often the op that holds the chain up is a W that started just before the chain's input arrived:
+then the move that helps is that W's, later (past the waiting op and what depends on it on the
+same rank: on the last stage an F's own B), so the W passes in the way are delayed too.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from cutpipe.sim.timeline import Timeline
 #: How many places earlier one move may take an op: waits longer than a few ops are rare on
 #: the chain, and each place costs a simulation.
 REACH = 4
+#: How many places later one move may take a W pass that holds up the chain.
+W_REACH = 8
 #: Times closer than this count as equal (the simulator adds costs in different orders).
 EPSILON = 1e-6
 
@@ -35,7 +40,8 @@ def _waits(
 ) -> Iterator[tuple[int, int, int]]:
     """Along the longest span's critical path, from its end back: (rank, index, earliest) for
     each op that waited for its rank, ``earliest`` the first place in the rank's order it may
-    move to (the first op its rank started after the op's input arrived, ``REACH`` at most)."""
+    move to (the first op its rank started after the op's input arrived, or the op running
+    when it arrived; ``REACH`` at most)."""
     flow, codes = schedule.dataflow, schedule.codes
     codec = Codec(schedule.num_stages, schedule.num_microbatches)
     where = {code: (rank, i) for rank, ops in enumerate(codes) for i, code in enumerate(ops)}
@@ -56,9 +62,24 @@ def _waits(
         earliest = i
         while earliest > max(0, i - REACH) and starts[rank][earliest - 1] >= arrive - EPSILON:
             earliest -= 1
+        if earliest > max(0, i - REACH) and ends[rank][earliest - 1] > arrive + EPSILON:
+            earliest -= 1  # the op that was running when the input arrived
         if earliest < i:
             yield rank, i, earliest
         i -= 1
+
+
+def _moves(ops: tuple[int, ...], i: int, earliest: int) -> Iterator[list[int]]:
+    """Orders that start op ``i`` sooner: the op moved to each place from ``i - 1`` back to
+    ``earliest``, then each W pass in between moved past it, up to ``W_REACH`` places later."""
+    for there in range(i - 1, earliest - 1, -1):
+        moved = list(ops)
+        moved.insert(there, moved.pop(i))
+        yield moved
+    for k in range(i - 1, earliest - 1, -1):
+        if ops[k] >= 0 and ops[k] & KIND_MASK == W_CODE:
+            for later in range(i, min(len(ops), k + 1 + W_REACH)):
+                yield [*ops[:k], *ops[k + 1 : later + 1], ops[k], *ops[later + 1 :]]
 
 
 def passes_done(schedule: Schedule, timeline: Timeline) -> float:
@@ -75,27 +96,29 @@ def passes_done(schedule: Schedule, timeline: Timeline) -> float:
 
 
 def expedite(
-    schedule: Schedule, costs: Costs, cap: float, score: Callable, evaluations: int
-) -> Schedule:
-    """Move ops that wait for their rank on the critical path earlier (``_waits``), keeping a
-    move when the step scores better, or the same with its F and B passes done sooner, and the
-    cap holds; at most ``evaluations`` simulations. Schedules with overlapped pairs or several
-    pipes come back unchanged."""
+    schedule: Schedule, costs: Costs, cap: float, score: Callable, evaluations: int,
+    patience: int | None = None,
+) -> Schedule:  # fmt: skip
+    """Move ops that wait for their rank on the critical path earlier (``_waits``, ``_moves``),
+    keeping a move when the step scores better, or the same with its F and B passes done sooner,
+    and the cap holds; at most ``evaluations`` simulations, and at most ``patience`` in a row
+    that keep nothing (a chain that still improves gets the budget, one that does not stops
+    early). Schedules with overlapped pairs or several pipes come back unchanged."""
     if schedule.placement.num_pipes != 1 or any(c < 0 for ops in schedule.codes for c in ops):
         return schedule
     latency = costs.comm
     best, timeline = schedule, simulate(schedule, costs)
     best_score = (score(metrics(timeline, costs)), passes_done(best, timeline))
     budget, improved = evaluations, True
-    while improved and budget > 0:
+    fruitless = evaluations if patience is None else patience
+    while improved and min(budget, fruitless) > 0:
         improved = False
         for rank, i, earliest in _waits(best, timeline, latency):
-            for there in range(i - 1, earliest - 1, -1):
-                if budget <= 0:
+            for ops in _moves(best.codes[rank], i, earliest):
+                if min(budget, fruitless) <= 0:
                     break
                 budget -= 1
-                ops = list(best.codes[rank])
-                ops.insert(there, ops.pop(i))
+                fruitless -= 1
                 codes = (*best.codes[:rank], tuple(ops), *best.codes[rank + 1 :])
                 candidate = Schedule(best.name, best.placement, best.num_microbatches, codes)
                 try:
@@ -107,8 +130,10 @@ def expedite(
                     continue
                 value = (score(result), passes_done(candidate, trial))
                 if value < best_score:
+                    if value[0] < best_score[0]:  # shorter, not only passes done sooner
+                        fruitless = evaluations if patience is None else patience
                     best, timeline, best_score, improved = candidate, trial, value, True
                     break
-            if improved or budget <= 0:
+            if improved or min(budget, fruitless) <= 0:
                 break
     return best
