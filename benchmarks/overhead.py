@@ -6,14 +6,23 @@ matching transfers, autograd bookkeeping. cutpipe's ``PipelineRunner`` and torch
 ``Schedule1F1B`` / ``ScheduleDualPipeV`` / ``ScheduleZBVZeroBubble`` run the same schedules in one
 process group (gloo, one thread per rank), in alternating rounds, each step timed between
 barriers; the median step divided by the ops a rank runs (an overlapped pair counts as its two
-halves) gives microseconds per op.
+halves) gives microseconds per op. Two more contenders bound what a runtime could save:
+``transfers`` makes only the schedule's transfers (each op's receive, waited for, then its send,
+in the rank's order), with no compute and no autograd; ``bare`` adds each op's compute with
+plain autograd calls (an F, its loss on the last stage, a backward through ``torch.autograd``,
+a B and a W as two ``torch.autograd.grad`` calls) and no runner: no validation, no watchdog,
+no agreement, no bookkeeping.
 
     python benchmarks/overhead.py [--ranks 2 4] [--microbatches 16] [--steps 30]
+    python benchmarks/overhead.py --profile 1f1b [--ranks 2]   # where cutpipe's step goes
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import time
 
@@ -23,6 +32,7 @@ from torch import nn
 
 from cutpipe import generate
 from cutpipe.runtime import PipelineRunner, run
+from cutpipe.schedule.codes import BW_CODE, F_CODE, W_CODE, Codec
 
 WIDTH, ROWS = 4, 2
 TORCH_SCHEDULES = {
@@ -79,6 +89,107 @@ def cutpipe_step_fn(name: str, rank: int, world: int, microbatches: int):
     return step
 
 
+def transfer_plan(name: str, rank: int, world: int, microbatches: int):
+    """Per op of this rank (each half of an overlapped pair): (kind, stage, microbatch, the rank
+    its input comes from or None, the input's tag, the rank its output goes to or None, the
+    output's tag)."""
+    schedule = generate(name, world, microbatches)
+    flow = schedule.dataflow
+    codec = Codec(schedule.num_stages, microbatches)
+    plan = []
+    for code in schedule.codes[rank]:
+        for half in codec.split_pair(code) if code < 0 else (code,):
+            kind, stage, mb = flow.unpack(half)
+            source, destination = flow.source(kind, stage, mb), flow.destination(kind, stage, mb)
+            tag_in = flow.value(flow.awaits(half)) if source is not None else 0
+            tag_out = flow.value(flow.makes(half)) if destination is not None else 0
+            plan.append((kind, stage, mb, source, tag_in, destination, tag_out))
+    return schedule, plan
+
+
+def bare_step_fn(name: str, rank: int, world: int, microbatches: int):
+    """The schedule's ops as plain autograd calls, and its transfers, and nothing else."""
+    schedule, plan = transfer_plan(name, rank, world, microbatches)
+    last = schedule.num_stages - 1
+    modules = {s: stage_module(s) for s in schedule.placement.stages_of(rank)}
+    weights = {s: list(module.parameters()) for s, module in modules.items()}
+    loss_fn = nn.MSELoss()
+
+    def accumulate(stage: int, grads) -> None:
+        for weight, grad in zip(weights[stage], grads, strict=True):
+            weight.grad = grad if weight.grad is None else weight.grad + grad
+
+    def receive(source: int, tag: int) -> torch.Tensor:
+        tensor = torch.empty(ROWS, WIDTH)
+        dist.irecv(tensor, source, tag=tag).wait()
+        return tensor
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        xs, ys = x.chunk(microbatches), y.chunk(microbatches)
+        saved, input_grads, deferred, sent = {}, {}, {}, []
+        for kind, stage, mb, source, tag_in, destination, tag_out in plan:
+            if kind == F_CODE:
+                if stage == 0:
+                    held = xs[mb]
+                elif source is None:  # the stage before is on this rank
+                    held = saved[(stage - 1, mb)][1].detach().requires_grad_()
+                else:
+                    held = receive(source, tag_in).requires_grad_()
+                out = modules[stage](held)
+                saved[(stage, mb)] = (held, loss_fn(out, ys[mb]) if stage == last else out)
+                if destination is not None:
+                    sent.append(dist.isend(out.detach(), destination, tag=tag_out))
+                continue
+            if kind == W_CODE:
+                out, grad = deferred.pop((stage, mb))
+                accumulate(stage, torch.autograd.grad(out, weights[stage], grad))
+                continue
+            if stage == last:
+                grad = None  # the loss
+            elif source is None:
+                grad = input_grads.pop((stage + 1, mb))
+            else:
+                grad = receive(source, tag_in)
+            held, out = saved.pop((stage, mb))
+            if kind == BW_CODE:
+                wanted = weights[stage] + ([held] if stage else [])
+                grads = torch.autograd.grad(out, wanted, grad)
+                accumulate(stage, grads[: len(weights[stage])])
+                input_grad = grads[-1] if stage else None
+            else:  # B: the input's gradient now, the weights' at its W
+                input_grad = (
+                    torch.autograd.grad(out, held, grad, retain_graph=True)[0] if stage else None
+                )
+                deferred[(stage, mb)] = (out, grad)
+            if destination is not None:
+                sent.append(dist.isend(input_grad, destination, tag=tag_out))
+            elif stage:
+                input_grads[(stage, mb)] = input_grad
+        for work in sent:
+            work.wait()
+
+    return step
+
+
+def transfers_step_fn(name: str, rank: int, world: int, microbatches: int):
+    """The schedule's point-to-point transfers alone, in this rank's op order: before each op
+    its input is received (if it comes from another rank), after it its output is sent."""
+    _, plan = transfer_plan(name, rank, world, microbatches)
+    inbox, outbox = torch.zeros(ROWS, WIDTH), torch.zeros(ROWS, WIDTH)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        sent = []
+        for _, _, _, source, tag_in, destination, tag_out in plan:
+            if source is not None:
+                dist.irecv(inbox, source, tag=tag_in).wait()
+            if destination is not None:
+                sent.append(dist.isend(outbox, destination, tag=tag_out))
+        for work in sent:
+            work.wait()
+
+    return step
+
+
 def benchmark(rank: int, world: int, microbatches: int, steps: int, warmup: int) -> dict:
     x = torch.randn(ROWS * microbatches, WIDTH)
     y = torch.randn(ROWS * microbatches, WIDTH)
@@ -86,6 +197,8 @@ def benchmark(rank: int, world: int, microbatches: int, steps: int, warmup: int)
     for name in TORCH_SCHEDULES:
         contenders[("cutpipe", name)] = cutpipe_step_fn(name, rank, world, microbatches)
         contenders[("torch", name)] = torch_step_fn(name, rank, world, microbatches)
+        contenders[("bare", name)] = bare_step_fn(name, rank, world, microbatches)
+        contenders[("transfers", name)] = transfers_step_fn(name, rank, world, microbatches)
     times: dict[tuple[str, str], list[float]] = {key: [] for key in contenders}
     for round_ in range(warmup + steps):
         for key, step in contenders.items():
@@ -101,22 +214,54 @@ def benchmark(rank: int, world: int, microbatches: int, steps: int, warmup: int)
     }
 
 
+def profile(rank: int, world: int, name: str, microbatches: int, steps: int) -> str | None:
+    """cProfile's busiest calls of ``steps`` cutpipe steps on rank 0, by their own time."""
+    x = torch.randn(ROWS * microbatches, WIDTH)
+    y = torch.randn(ROWS * microbatches, WIDTH)
+    step = cutpipe_step_fn(name, rank, world, microbatches)
+    for _ in range(3):
+        step(x, y)
+    dist.barrier()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        step(x, y)
+    profiler.disable()
+    elapsed = (time.perf_counter() - start) / steps
+    if rank != 0:
+        return None
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
+    return f"{name}, {world} ranks: {elapsed * 1e3:.2f} ms per step (profiled)\n{out.getvalue()}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30, help="timed rounds (median of these)")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--profile", choices=sorted(TORCH_SCHEDULES),
+                        help="profile cutpipe's steps of this schedule instead")  # fmt: skip
     args = parser.parse_args()
+    if args.profile:
+        for world in args.ranks:
+            found = run(profile, world, (args.profile, args.microbatches, args.steps), timeout=600)
+            print(found[0])
+        return
 
     from rich.console import Console
     from rich.table import Table
 
     table = Table(
-        title=f"zero-compute steps (Linear({WIDTH}) stages, {ROWS} rows per microbatch), "
+        title=f"microseconds per op of zero-compute steps (Linear({WIDTH}) stages, {ROWS} rows "
+        "per microbatch), "
         f"{args.microbatches} microbatches, gloo: median of {args.steps} steps"
     )
-    for column in ("schedule", "ranks", "ops/rank", "cutpipe us/op", "torch us/op", "ratio"):
+    columns = ("schedule", "ranks", "ops/rank", "cutpipe", "torch", "cutpipe/torch", "bare",
+               "bare/torch", "transfers", "transfers/torch")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="left" if column == "schedule" else "right")
     for world in args.ranks:
         results = run(benchmark, world, (args.microbatches, args.steps, args.warmup), timeout=1800)
@@ -125,9 +270,12 @@ def main() -> None:
             ops = max(r["ops"][name] for r in results)
             ours = results[0]["medians"][("cutpipe", name)] / ops
             theirs = results[0]["medians"][("torch", name)] / ops
+            bare = results[0]["medians"][("bare", name)] / ops
+            floor = results[0]["medians"][("transfers", name)] / ops
             table.add_row(name, str(world), str(ops), f"{ours * 1e6:.0f}", f"{theirs * 1e6:.0f}",
-                          f"{ours / theirs:.2f}x")  # fmt: skip
-    Console().print(table)
+                          f"{ours / theirs:.2f}x", f"{bare * 1e6:.0f}", f"{bare / theirs:.2f}x",
+                          f"{floor * 1e6:.0f}", f"{floor / theirs:.2f}x")  # fmt: skip
+    Console(width=150).print(table)
 
 
 if __name__ == "__main__":
