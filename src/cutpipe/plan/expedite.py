@@ -102,23 +102,22 @@ def expedite(
     """Move ops that wait for their rank on the critical path earlier (``_waits``, ``_moves``),
     keeping a move when the step scores better, or the same with its F and B passes done sooner,
     and the cap holds; at most ``evaluations`` simulations, and at most ``patience`` in a row
-    that keep nothing (a chain that still improves gets the budget, one that does not stops
-    early). Schedules with overlapped pairs or several pipes come back unchanged."""
+    that do not score better (a chain that keeps shortening gets the budget, one that does not
+    stops early). Schedules with overlapped pairs or several pipes come back unchanged."""
     if schedule.placement.num_pipes != 1 or any(c < 0 for ops in schedule.codes for c in ops):
         return schedule
     latency = costs.comm
     best, timeline = schedule, simulate(schedule, costs)
     best_score = (score(metrics(timeline, costs)), passes_done(best, timeline))
-    budget, improved = evaluations, True
-    fruitless = evaluations if patience is None else patience
-    while improved and min(budget, fruitless) > 0:
+    patience = evaluations if patience is None else patience
+    budget, left, improved = evaluations, patience, True  # left: before patience runs out
+    while improved and min(budget, left) > 0:
         improved = False
         for rank, i, earliest in _waits(best, timeline, latency):
             for ops in _moves(best.codes[rank], i, earliest):
-                if min(budget, fruitless) <= 0:
+                if min(budget, left) <= 0:
                     break
-                budget -= 1
-                fruitless -= 1
+                budget, left = budget - 1, left - 1
                 codes = (*best.codes[:rank], tuple(ops), *best.codes[rank + 1 :])
                 candidate = Schedule(best.name, best.placement, best.num_microbatches, codes)
                 try:
@@ -130,10 +129,10 @@ def expedite(
                     continue
                 value = (score(result), passes_done(candidate, trial))
                 if value < best_score:
-                    if value[0] < best_score[0]:  # shorter, not only passes done sooner
-                        fruitless = evaluations if patience is None else patience
+                    if value[0] < best_score[0]:  # better, not only passes done sooner
+                        left = patience
                     best, timeline, best_score, improved = candidate, trial, value, True
                     break
-            if improved or min(budget, fruitless) <= 0:
+            if improved or min(budget, left) <= 0:
                 break
     return best

@@ -417,10 +417,10 @@ SEARCHED_OPS = 500_000
 SETTLED_OPS = 20_000
 
 
-#: Simulations ``expedite`` may run on the winner in a row that keep nothing, up to
+#: Simulations ``expedite`` may run on the winner in a row without a shorter step, up to
 #: ``SETTLED_OPS`` ops (above it the simulations and the settling after them would take the
 #: R = 32, m = 256 V past 10 s), and in all: a chain that keeps shortening gets up to ten times
-#: as many (the zero-bubble paper's linear setting at 1.5x needs about 1,800 to reach its bound).
+#: as many.
 EXPEDITED = 300
 EXPEDITED_MOST = 3000
 
@@ -524,8 +524,8 @@ def cost_aware(
     ``default_evaluations``; seeded by ``seed``;
     ``search_seconds`` bounds it in time if given, 0 skips it), then its cool-down settled
     again; up to ``SETTLED_OPS`` ops its critical path expedited (``plan.expedite``, until
-    ``EXPEDITED`` simulations in a row, or ``search_evaluations`` if more, keep nothing, at
-    most ``EXPEDITED_MOST``) and settled once more. Without
+    ``EXPEDITED`` simulations in a row, or ``search_evaluations`` if more, do not shorten the
+    step, at most ``EXPEDITED_MOST``) and settled once more. Without
     a time bound the same call gives the same schedule on every machine.
     """
     check_search(placement, ranks, microbatches, costs, memory_cap, search_seconds)
