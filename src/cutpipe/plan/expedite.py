@@ -16,13 +16,13 @@ same rank: on the last stage an F's own B), so the W passes in the way are delay
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from cutpipe.plan.caps import within
 from cutpipe.schedule.codes import KIND_MASK, W_CODE, Codec
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
-from cutpipe.sim.metrics import metrics
+from cutpipe.sim.metrics import Metrics, metrics
 from cutpipe.sim.simulate import simulate
 from cutpipe.sim.timeline import Timeline
 
@@ -95,6 +95,25 @@ def passes_done(schedule: Schedule, timeline: Timeline) -> float:
     )
 
 
+def try_order(
+    schedule: Schedule, rank: int, order: Sequence[int], costs: Costs, cap: float,
+    score: Callable,
+) -> tuple[tuple, Schedule, Timeline, Metrics] | None:  # fmt: skip
+    """``schedule`` with ``rank``'s order replaced by ``order``, simulated: its search value
+    (score, then ``passes_done``), the schedule, its timeline and metrics; None if the order
+    breaks a dependency or the cap. The one evaluation of both local searches."""
+    codes = (*schedule.codes[:rank], tuple(order), *schedule.codes[rank + 1 :])
+    candidate = Schedule(schedule.name, schedule.placement, schedule.num_microbatches, codes)
+    try:
+        timeline = simulate(candidate, costs)
+    except ValueError:  # moved before what it waits for
+        return None
+    result = metrics(timeline, costs)
+    if not within(max(result.peak_activations_per_rank), cap):
+        return None
+    return (score(result), passes_done(candidate, timeline)), candidate, timeline, result
+
+
 def expedite(
     schedule: Schedule, costs: Costs, cap: float, score: Callable, evaluations: int,
     patience: int | None = None,
@@ -118,20 +137,12 @@ def expedite(
                 if min(budget, left) <= 0:
                     break
                 budget, left = budget - 1, left - 1
-                codes = (*best.codes[:rank], tuple(ops), *best.codes[rank + 1 :])
-                candidate = Schedule(best.name, best.placement, best.num_microbatches, codes)
-                try:
-                    trial = simulate(candidate, costs)
-                except ValueError:  # moved before what it waits for
-                    continue
-                result = metrics(trial, costs)
-                if not within(max(result.peak_activations_per_rank), cap):
-                    continue
-                value = (score(result), passes_done(candidate, trial))
-                if value < best_score:
-                    if value[0] < best_score[0]:  # better, not only passes done sooner
+                tried = try_order(best, rank, ops, costs, cap, score)
+                if tried is not None and tried[0] < best_score:
+                    if tried[0][0] < best_score[0]:  # better, not only passes done sooner
                         left = patience
-                    best, timeline, best_score, improved = candidate, trial, value, True
+                    best_score, best, timeline, _ = tried
+                    improved = True
                     break
             if improved or min(budget, left) <= 0:
                 break

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from cutpipe.plan.caps import within
 from cutpipe.plan.cooldown import settle_cooldown
 from cutpipe.plan.events import Ranks
-from cutpipe.plan.expedite import expedite, passes_done
+from cutpipe.plan.expedite import expedite, passes_done, try_order
 from cutpipe.plan.progress import progress
 from cutpipe.plan.rounds import ROUND_PASSES, rounds_schedule
 from cutpipe.records import count
@@ -392,18 +392,10 @@ def improve(
                 if time.monotonic() >= deadline or budget <= 0:
                     break
                 budget -= 1
-                codes = (*best.codes[:rank], tuple(order), *best.codes[rank + 1 :])
-                candidate = Schedule(best.name, best.placement, best.num_microbatches, codes)
-                try:
-                    timeline = simulate(candidate, costs)
-                except ValueError:  # the move broke a dependency
-                    continue
-                result = metrics(timeline, costs)
-                if not within(max(result.peak_activations_per_rank), cap):
-                    continue
-                value = (score(result), passes_done(candidate, timeline))
-                if value < best_score:
-                    best, best_result, best_score, improved = candidate, result, value, True
+                tried = try_order(best, rank, order, costs, cap, score)
+                if tried is not None and tried[0] < best_score:
+                    best_score, best, _, best_result = tried
+                    improved = True
                     break  # this rank's order changed: sweep it again from the new order
     return best
 
