@@ -181,10 +181,32 @@ def test_tune_frontier_prints_the_table_writes_json_and_draws(tmp_path, capsys):
     assert {f["schedule"] for f in report["fixed"]} >= {"zbh1", "zbv"}
 
 
+def test_tune_frontier_sweeps_one_placement_up_to_a_cap(capsys):
+    """``--placement v --memory-cap-x 1.3``: the V alone, eighths below 1.3x, then 1.3x itself,
+    the same figures as the whole sweep at the caps they share (each cap starts from the one
+    below, and the sweeps share those)."""
+    args = ["tune", "-r", "3", "-m", "6", "--costs", "F=2,B=2,W=1,comm=0.2", "--frontier",
+            "--evaluations", "5", "--json"]  # fmt: skip
+    assert main([*args, "--placement", "v", "--memory-cap-x", "1.3"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(p["placement"], p["memory_x"]) for p in report["points"]] == [
+        ("v", 1.0),
+        ("v", 1.125),
+        ("v", 1.25),
+        ("v", 1.3),
+    ]
+    assert {f["placement"] for f in report["fixed"]} == {"v"}
+    assert main(args) == 0
+    whole = json.loads(capsys.readouterr().out)
+    shared = [p for p in whole["points"] if p["placement"] == "v" and p["memory_x"] < 1.3]
+    assert shared == report["points"][:3]
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--frontier", "--memory-cap-x", "1.5"], "drop --memory-cap-x"),
+        (["--frontier", "--memory-cap", "8"], "drop --memory-cap"),
+        (["--frontier", "--memory-cap-x", "0.5"], "give 1 or more"),
         (["--frontier", "-o", "FILE.json"], "draws a picture"),
         (["-o", "FILE.png"], "for --frontier only"),
     ],

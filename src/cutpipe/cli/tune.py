@@ -62,8 +62,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         "The costs are scalars (--costs), or per stage from a model (--model) or a profile "
         "(--profile) on a GPU (--gpu), its layers balanced over the placement's stages.",
     )
-    parser.add_argument("--placement", choices=("linear", "v"), default="v",
-                        help="one stage per rank (linear) or two folded into a V (default v)")  # fmt: skip
+    parser.add_argument("--placement", choices=("linear", "v"),
+                        help="one stage per rank (linear) or two folded into a V (default v; "
+                        "with --frontier, both)")  # fmt: skip
     parser.add_argument("--ranks", "-r", type=positive_int, required=True, help="pipeline ranks")
     parser.add_argument("--microbatches", "-m", type=positive_int, required=True,
                         help="microbatches per step")  # fmt: skip
@@ -116,9 +117,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--frontier",
         action="store_true",
-        help="sweep caps from 1x to 2x 1F1B's peak on both placements (--costs per V stage; a "
-        "linear stage is two) and print the best span bubble at each, with the lower bounds "
-        "and the fixed schedules at their peaks; -o draws it (.png, .svg)",
+        help="sweep caps from 1x to 2x 1F1B's peak (or to --memory-cap-x) on both placements "
+        "(or --placement's; --costs per V stage, a linear stage is two) and print the best span "
+        "bubble at each, with the lower bounds and the fixed schedules at their peaks; -o draws "
+        "it (.png, .svg)",
     )
     parser.add_argument(
         "--exact",
@@ -194,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
     picture = args.output is not None and args.output.suffix.lower() in PICTURES
     if args.frontier:
         return run_frontier(args)
+    args.placement = args.placement or "v"
     if picture:
         raise ValueError(
             f"-o {args.output}: a picture is drawn for --frontier only; a tuned schedule is "
@@ -294,27 +297,37 @@ def print_table(args: argparse.Namespace, rows: list, cap: float, planned: Plann
 
 
 def run_frontier(args: argparse.Namespace) -> int:
-    """``tune --frontier``: the best span bubble at every cap from 1x to 2x, both placements."""
+    """``tune --frontier``: the best span bubble at every cap from 1x to 2x (or to --memory-cap-x),
+    on both placements or --placement's."""
     from rich.console import Console
     from rich.table import Table
 
-    from cutpipe.plan.frontier import frontier, marks
+    from cutpipe.plan.frontier import FACTORS, frontier, marks
 
-    for option, given in (("--memory-cap", args.memory_cap), ("--memory-cap-x", args.memory_cap_x),
-                          ("--model", args.model), ("--profile", args.profile),
-                          ("--exact", args.exact or None)):  # fmt: skip
+    for option, given in (("--memory-cap", args.memory_cap), ("--model", args.model),
+                          ("--profile", args.profile), ("--exact", args.exact or None)):  # fmt: skip
         if given is not None:
             raise ValueError(
                 f"--frontier sweeps its own caps from --costs (per V stage): drop {option}"
             )
     if args.output is not None and args.output.suffix.lower() not in PICTURES:
         raise ValueError(f"-o {args.output}: --frontier draws a picture, .png or .svg")
+    top = FACTORS[-1] if args.memory_cap_x is None else args.memory_cap_x
+    if top < 1:
+        raise ValueError(
+            f"--memory-cap-x {top:g} with --frontier is the highest cap it sweeps from 1x: give "
+            "1 or more"
+        )
+    factors = [f for f in FACTORS if f < top - 1e-9] + [top]
+    placements = ("linear", "v") if args.placement is None else (args.placement,)
     R, m, costs = args.ranks, args.microbatches, args.costs
     console = Console(stderr=True)
     with console.status("frontier") as status:
-        points = frontier(R, m, costs, evaluations=args.evaluations, seed=args.seed,
+        points = frontier(R, m, costs, factors, placements, evaluations=args.evaluations,
+                          seed=args.seed,
                           progress=lambda text: status.update(f"frontier: {text}"))  # fmt: skip
-    fixed = marks(R, m, costs)
+    fixed = [mark for mark in marks(R, m, costs)
+             if mark.placement in placements and mark.peak <= top + 1e-9]  # fmt: skip
     if args.json:
         print_json({
             "points": [{"placement": p.placement, "memory_x": p.factor, "bubble_span": p.bubble,
@@ -325,10 +338,9 @@ def run_frontier(args: argparse.Namespace) -> int:
         })  # fmt: skip
     else:
         table = Table(title=f"span bubble against memory, R={R}, m={m} (memory x 1F1B's peak)")
-        for column in ("memory", "linear", "linear bound", "v", "v bound", "fixed schedules here"):
-            table.add_column(
-                column, justify="right" if column != "fixed schedules here" else "left"
-            )
+        for column in ("memory", *(f"{pl}{end}" for pl in placements for end in ("", " bound"))):
+            table.add_column(column, justify="right")
+        table.add_column("fixed schedules here")
         by = {(p.placement, p.factor): p for p in points}
         factors = sorted({p.factor for p in points})
         for i, factor in enumerate(factors):
@@ -336,18 +348,18 @@ def run_frontier(args: argparse.Namespace) -> int:
             here = [f"{f.name} {f.bubble:.4f} ({f.peak:g}x)" for f in fixed
                     if factor <= f.peak + 1e-9 < upper]  # fmt: skip
             cells = []
-            for placement in ("linear", "v"):
-                point = by.get((placement, factor))
-                cells += [f"{point.bubble:.4f}", f"{point.bound:.4f}"] if point else ["-", "-"]
+            for placement in placements:
+                point = by[(placement, factor)]
+                cells += [f"{point.bubble:.4f}", f"{point.bound:.4f}"]
             table.add_row(f"{factor:g}x", *cells, ", ".join(here))
         Console().print(table)
     if args.output is not None:
         from cutpipe.viz.frontier import save_frontier
 
         lines = {pl: [(p.factor, p.bubble) for p in points if p.placement == pl]
-                 for pl in ("linear", "v")}  # fmt: skip
+                 for pl in placements}  # fmt: skip
         bounds = {pl: [(p.factor, p.bound) for p in points if p.placement == pl]
-                  for pl in ("linear", "v")}  # fmt: skip
+                  for pl in placements}  # fmt: skip
         save_frontier(lines, bounds, [(f.name, f.placement, f.peak, f.bubble) for f in fixed],
                       args.output, f"R={R}, m={m}")  # fmt: skip
     return 0
