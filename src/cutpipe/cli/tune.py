@@ -342,8 +342,7 @@ def run_frontier(args: argparse.Namespace) -> int:
             table.add_column(column, justify="right")
         table.add_column("fixed schedules here")
         by = {(p.placement, p.factor): p for p in points}
-        factors = sorted({p.factor for p in points})
-        for i, factor in enumerate(factors):
+        for i, factor in enumerate(factors):  # increasing, as swept
             upper = factors[i + 1] if i + 1 < len(factors) else float("inf")
             here = [f"{f.name} {f.bubble:.4f} ({f.peak:g}x)" for f in fixed
                     if factor <= f.peak + 1e-9 < upper]  # fmt: skip
