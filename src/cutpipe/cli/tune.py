@@ -129,6 +129,15 @@ def register(commands: argparse._SubParsersAction) -> None:
         "small shapes only) and report the optimum beside the search",
     )
     parser.add_argument(
+        "--polish",
+        type=real(0.0, unit="solver seconds per round"),
+        metavar="EFFORT",
+        help="after the search, re-time every op within a window of its start with OR-Tools "
+        "CP-SAT (pip install 'cutpipe[exact]'), EFFORT of the solver's deterministic seconds "
+        "per round (about one second each here), on one worker: the same on every machine; "
+        "with --frontier, every point above its bound",
+    )
+    parser.add_argument(
         "-o",
         "--output",
         type=output_file(tuple(ENDINGS) + PICTURES),
@@ -225,6 +234,11 @@ def run(args: argparse.Namespace) -> int:
     tuned = cost_aware(args.placement, R, m, costs, cap, objective, args.seconds,
                        args.evaluations, args.seed)  # fmt: skip
     rows = [(tuned.name, metrics(simulate(tuned, costs), costs))]
+    if args.polish is not None:
+        from cutpipe.plan.polish import polish
+
+        tuned = polish(tuned, costs, cap, args.objective, effort=args.polish)
+        rows.append((f"{tuned.name}, polished", metrics(simulate(tuned, costs), costs)))
     if args.exact:
         from cutpipe.plan.exact import exact_schedule
 
@@ -325,7 +339,8 @@ def run_frontier(args: argparse.Namespace) -> int:
     with console.status("frontier") as status:
         points = frontier(R, m, costs, factors, placements, evaluations=args.evaluations,
                           seed=args.seed,
-                          progress=lambda text: status.update(f"frontier: {text}"))  # fmt: skip
+                          progress=lambda text: status.update(f"frontier: {text}"),
+                          polish_effort=args.polish or 0.0)  # fmt: skip
     fixed = [mark for mark in marks(R, m, costs)
              if mark.placement in placements and mark.peak <= top + 1e-9]  # fmt: skip
     if args.json:

@@ -61,7 +61,9 @@ def _scaled(values: list[float], steps: int, rounding, exact: bool = True) -> tu
     return [rounding(v * factor) for v in values], factor, False
 
 
-def _times(costs: Costs, S: int, m: int, hops: int) -> tuple[list[list[int]], int, float, float]:
+def solver_times(
+    costs: Costs, S: int, m: int, hops: int
+) -> tuple[list[list[int]], int, float, float]:
     """F, B and W durations per stage in solver units (at least 1: no two ops of a rank start
     together), the comm, units per cost unit, and the most the rounding of every op and every
     crossing (``hops`` stage boundaries cross ranks) can lengthen an objective."""
@@ -74,7 +76,7 @@ def _times(costs: Costs, S: int, m: int, hops: int) -> tuple[list[list[int]], in
     return [durations[k * S : k * S + S] for k in range(3)], comm, float(scale), slack
 
 
-def _memory(costs: Costs, S: int, cap: float) -> tuple[list[list[int]], int, bool]:
+def solver_memory(costs: Costs, S: int, cap: float) -> tuple[list[list[int]], int, bool]:
     """Per stage, the memory its B frees and its W frees in solver units; the cap; whether exact
     (else an F's activation and its W's share are rounded up, and the cap down)."""
     act = costs.per_stage("activation", S)
@@ -131,15 +133,22 @@ def _circuit(model, mine: list[int], start: dict, end: dict, arrival: dict, befo
     return arcs
 
 
+def plain_passes(schedule: Schedule) -> Schedule:
+    """``schedule`` with each fused BW run as its B then its W and each overlapped pair as its F
+    then its B: what the solver models."""
+    split = {BW_CODE: (B_CODE - BW_CODE, W_CODE - BW_CODE)}  # a BW's B and W: the kind differs
+    orders = []
+    for ops in schedule.codes:
+        halves = [h for c in ops for h in (schedule.codec.split_pair(c) if c < 0 else (c,))]
+        orders.append(tuple(h + d for h in halves for d in split.get(h & KIND_MASK, (0,))))
+    return Schedule(schedule.name, schedule.placement, schedule.num_microbatches, tuple(orders))
+
+
 def _hint(model, found: Schedule, units: list[list[int]], comm: int, start: dict, arcs: dict):
     """Start the search from ``found`` (the cost-aware list schedule) with each BW run as its B
     then its W and each overlapped pair as its F then its B, simulated in solver units."""
-    split = {BW_CODE: (B_CODE - BW_CODE, W_CODE - BW_CODE)}  # a BW's B and W: the kind differs
-    orders = []
-    for ops in found.codes:
-        halves = [h for c in ops for h in (found.codec.split_pair(c) if c < 0 else (c,))]
-        orders.append(tuple(h + d for h in halves for d in split.get(h & KIND_MASK, (0,))))
-    plain = Schedule(found.name, found.placement, found.num_microbatches, tuple(orders))
+    plain = plain_passes(found)
+    orders = plain.codes
     timeline = simulate(plain, Costs(f=units[0], b=units[1], w=units[2], comm=comm))
     for ops, starts in zip(orders, timeline.starts, strict=True):
         for c, t in zip(ops, starts, strict=True):
@@ -170,8 +179,8 @@ def exact_schedule(
     kind, cap = _check(placement, ranks, microbatches, costs, memory_cap, objective, max_ops)
     S, m, owner = kind.num_stages, microbatches, kind.pipes[0]
     hops = sum(owner[s] != owner[s + 1] for s in range(S - 1))
-    units, comm, scale, slack = _times(costs, S, m, hops)
-    freed, cap_units, exact_memory = _memory(costs, S, cap)
+    units, comm, scale, slack = solver_times(costs, S, m, hops)
+    freed, cap_units, exact_memory = solver_memory(costs, S, cap)
 
     codec, flow, model = Codec(S, m), Dataflow(kind, m), cp_model.CpModel()
     order = [(F_CODE, s) for s in range(S)] + [(B_CODE, s) for s in reversed(range(S))]

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from cutpipe.plan.bounds import bubble_lower_bound
+from cutpipe.plan.polish import polish
 from cutpipe.plan.scheduler import cost_aware, default_cap, placement_for
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.schedule.schedule import Schedule
@@ -72,9 +73,12 @@ def frontier(
     evaluations: int | None = None,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    polish_effort: float = 0.0,
 ) -> list[Point]:
     """The best span-bubble schedule of each placement at each cap, searched from the
-    tightest cap up (``progress`` hears each point as it is done)."""
+    tightest cap up (``progress`` hears each point as it is done). ``polish_effort`` > 0 also
+    polishes each point above its lower bound with CP-SAT (``plan.polish``, that many solver
+    seconds per round) before the next cap starts from it."""
     if list(factors) != sorted(factors) or not factors or factors[0] <= 0:
         raise ValueError(f"frontier caps must be positive and increasing, got {list(factors)}")
     points = []
@@ -88,9 +92,12 @@ def frontier(
             best = cost_aware(placement, ranks, microbatches, costs, cap, span_first,
                               search_evaluations=evaluations, seed=seed, start=best)  # fmt: skip
             result = metrics(simulate(best, costs), costs)
+            bound = bubble_lower_bound(kind, microbatches, costs, cap)
+            if polish_effort > 0 and result.bubble_ratio_span > bound + 1e-12:
+                best = polish(best, costs, cap, "span", effort=polish_effort)
+                result = metrics(simulate(best, costs), costs)
             points.append(Point(placement, factor, result.bubble_ratio_span, result.makespan,
-                                max(peak_activations(best, costs)) / base,
-                                bubble_lower_bound(kind, microbatches, costs, cap), best))  # fmt: skip
+                                max(peak_activations(best, costs)) / base, bound, best))  # fmt: skip
             if progress is not None:
                 progress(f"{placement} {factor:g}x: {result.bubble_ratio_span:.4f}")
     return points
