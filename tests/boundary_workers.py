@@ -4,6 +4,7 @@ single-process reference they are compared with."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -143,6 +144,17 @@ def post_validation_dp(rank: int, world: int, steps: int) -> dict:
     return {
         "bitwise": all(torch.equal(synced[k], overlapped[k]) for k in synced),
         "rollbacks": rollbacks,
+    }
+
+
+def four_ranks(rank: int, world: int, setting: Any, steps: int) -> dict[str, Any]:
+    """The 4-rank launches in one: the emulated step timing of ``setting`` first (while nothing
+    else has run), then ``post_validation_dp`` for ``steps`` steps."""
+    from cutpipe.bench.boundaries import measure_rank
+
+    return {
+        "timing": measure_rank(rank, world, setting),
+        "dp": post_validation_dp(rank, world, steps),
     }
 
 

@@ -167,6 +167,15 @@ def load_layout(rank: int, world: int, directory: str, layout: str, out: str) ->
     }
 
 
+def save_then_load(
+    rank: int, world: int, directory: str, truth: str, layout: str, out: str
+) -> dict:
+    """``save_dualpipe``, then, once every rank has saved, ``load_layout``: one launch."""
+    save_dualpipe(rank, world, directory, truth)
+    dist.barrier()
+    return load_layout(rank, world, directory, layout, out)
+
+
 def resume(rank: int, world: int, directory: str) -> dict:
     """Six steps straight, against three steps, a checkpoint, a fresh process state (other
     seeds, other weights), a load and three more steps: the same bits at the end."""

@@ -217,6 +217,28 @@ def bad_mesh(rank: int, world: int) -> list[str]:
     return messages
 
 
+def two_ranks(rank: int, world: int, layers: int, costs: list[dict], m: int) -> dict:
+    """The 2-rank launches in one: ``emulated_pairs`` first (while nothing else has run), then
+    ``expert_parallel_only`` in float32 and float64, then ``bad_mesh``."""
+    return {
+        "pairs": emulated_pairs(rank, world, layers, costs, m),
+        "expert_parallel": {
+            str(dtype): expert_parallel_only(rank, world, dtype)
+            for dtype in (torch.float32, torch.float64)
+        },
+        "bad_mesh": bad_mesh(rank, world),
+    }
+
+
+def four_ranks(rank: int, world: int, cases: list, m: int) -> dict:
+    """The PP 2 x EP 2 launches in one: ``pipeline_exactness`` of ``cases``, then
+    ``hook_against_sequential`` on ``m`` microbatches."""
+    return {
+        "exactness": pipeline_exactness(rank, world, (2, 2, 1), cases),
+        "hook": hook_against_sequential(rank, world, m),
+    }
+
+
 def several_layouts(rank: int, world: int, runs: list[tuple[tuple[int, int, int], list]]) -> list:
     """``pipeline_exactness`` for several layouts of the same processes, one after the other."""
     return [pipeline_exactness(rank, world, layout, cases) for layout, cases in runs]

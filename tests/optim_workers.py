@@ -259,9 +259,13 @@ def _sharded_clipping(world: int) -> dict:
     return outcome
 
 
-def two_ranks(rank: int, world: int, names: list[str], m: int, steps: int) -> dict:
-    """``accumulation`` and ``clipping`` in one launch (starting processes is the slow part)."""
+def two_ranks(
+    rank: int, world: int, names: list[str], m: int, steps: int, trained: tuple[int, int]
+) -> dict:
+    """``accumulation``, ``clipping`` and ``training`` (``trained``: its microbatches and steps)
+    in one launch (starting processes is the slow part)."""
     return {
         "accumulation": accumulation(rank, world, names, m, steps),
         "clipping": clipping(rank, world),
+        "training": training(rank, world, names, *trained),
     }

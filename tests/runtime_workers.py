@@ -137,6 +137,18 @@ def emulated(rank: int, world: int, cases: list[tuple[str, int]], unit: float) -
     return results
 
 
+def four_ranks(
+    rank: int, world: int, emulated_cases: list[tuple[str, int]], unit: float,
+    exact_cases: list[tuple[str, int, str]],
+) -> dict[str, list]:  # fmt: skip
+    """The 4-rank launches in one: ``emulated`` first (while nothing else has run), then
+    ``exactness``."""
+    return {
+        "emulated": emulated(rank, world, emulated_cases, unit),
+        "exactness": exactness(rank, world, exact_cases),
+    }
+
+
 def bad_inputs(rank: int, world: int, cases: list[str]) -> dict[str, str]:
     """Each case breaks one rule; report what this rank raised. Cases that fail before any
     boundary value moves leave every rank free to go on to the next one."""

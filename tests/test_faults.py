@@ -4,11 +4,13 @@ happens to a rank, every rank stops within a bounded time and says which rank an
 Times are bounds with wide margins (the machine may be loaded), measured from the moment the
 ranks start their runners, not from process start-up."""
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -206,32 +208,66 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _torchrun(fault: str) -> tuple[subprocess.CompletedProcess, float]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               "2", str(ROOT / "tests" / "fault_script.py"), fault]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    started = time.monotonic()
-    result = subprocess.run(command, capture_output=True, text=True, timeout=150, env=env)
-    return result, time.monotonic() - started
+class _Torchrun:
+    """``tests/fault_script.py FAULT`` under ``torch.distributed.run``, started now. Its output
+    goes to files (a job left running never blocks on a pipe) and a thread notes when it ends."""
+
+    def __init__(self, fault: str, folder: Path) -> None:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   "2", str(ROOT / "tests" / "fault_script.py"), fault]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self._files = [folder / f"{fault}.out", folder / f"{fault}.err"]
+        with open(self._files[0], "w") as out, open(self._files[1], "w") as err:
+            started = time.monotonic()
+            self._process = subprocess.Popen(command, stdout=out, stderr=err, env=env)
+        self._took = float("inf")
+
+        def wait() -> None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(timeout=150)
+                self._took = time.monotonic() - started
+
+        self._waiter = threading.Thread(target=wait, daemon=True)
+        self._waiter.start()
+
+    def finish(self) -> tuple[int | None, str, str, float]:
+        """(exit status, stdout, stderr, seconds from its start to its end); a job still running
+        150 s after its start is killed (inf seconds)."""
+        self._waiter.join()
+        self.kill()
+        out, err = (path.read_text() for path in self._files)
+        return self._process.returncode, out, err, self._took
+
+    def kill(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
 
 
 @pytest.mark.timeout(600)
-def test_faults_under_torchrun_end_the_job_naming_the_rank():
-    result, _ = _torchrun("none")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("loss") == 3
-    expectations = {
-        "raise": "rank 1 failed in step 2 at 1F",
-        "hang": "rank 1 made no progress for",
-        "mismatch": "rank 0 runs 1f1b m=4 on 2 ranks, rank 1 runs 1f1b m=8 on 2 ranks",
-        "between": "ValueError: the data loader broke",
-    }
-    for fault, message in expectations.items():
-        result, took = _torchrun(fault)
-        output = result.stdout + result.stderr
-        assert result.returncode != 0, (fault, output[-3000:])
-        assert message in output, (fault, output[-3000:])
-        assert took < 100, (fault, took)
+def test_faults_under_torchrun_end_the_job_naming_the_rank(tmp_path):
+    """Without a fault the script trains its 3 steps; each fault ends the job, and the output
+    names the rank. The hang, which mostly waits for the watchdog, runs beside the others."""
+    hang = _Torchrun("hang", tmp_path)
+    try:
+        status, stdout, stderr, _ = _Torchrun("none", tmp_path).finish()
+        assert status == 0, stderr[-3000:]
+        assert stdout.count("loss") == 3
+        expectations = {
+            "mismatch": "rank 0 runs 1f1b m=4 on 2 ranks, rank 1 runs 1f1b m=8 on 2 ranks",
+            "between": "ValueError: the data loader broke",
+            "raise": "rank 1 failed in step 2 at 1F",
+            "hang": "rank 1 made no progress for",
+        }
+        for fault, message in expectations.items():
+            job = hang if fault == "hang" else _Torchrun(fault, tmp_path)
+            status, stdout, stderr, took = job.finish()
+            output = stdout + stderr
+            assert status != 0, (fault, output[-3000:])
+            assert message in output, (fault, output[-3000:])
+            assert took < 100, (fault, took)
+    finally:
+        hang.kill()
 
 
 @pytest.mark.timeout(120)

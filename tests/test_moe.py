@@ -15,12 +15,24 @@ from cutpipe.runtime.memory import ActivationMeter, state_bytes
 from cutpipe.runtime.mesh import Layout, build_mesh
 from cutpipe.spec import ModelSpec
 
+#: the emulated pairs: 2 MoE layers; communication below and above compute
+LAYERS = 2
+PAIR_COSTS = [{"route": 0.01, "experts": 0.01, "exchange": exchange} for exchange in (0.01, 0.02)]
+#: 4 microbatches: DualPipeV on one rank runs 5 overlapped pairs a step (the median is kept)
+PAIR_MICROBATCHES = 4
 
-@pytest.mark.timeout(60)
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """The 2-process checks of this module, from one launch (the emulated timing first)."""
+    return run(workers.two_ranks, 2, (LAYERS, PAIR_COSTS, PAIR_MICROBATCHES), timeout=150)
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_expert_parallel_moe_matches_the_model_without_it(dtype):
+def test_expert_parallel_moe_matches_the_model_without_it(dtype, two_ranks):
     limit = 1e-6 if dtype == torch.float32 else 1e-12
-    for result in run(workers.expert_parallel_only, 2, (dtype,), timeout=50):
+    for result in (rank["expert_parallel"][str(dtype)] for rank in two_ranks):
         assert result["experts_held"] == workers.TINY.layers * workers.TINY.experts // 2
         assert result["loss"] == pytest.approx(result["expected"], rel=limit)
         assert result["mean_loss"] == pytest.approx(result["expected_mean"], rel=1e-6)
@@ -33,9 +45,15 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.timeout(90)
-def test_pp2_x_ep2_pipelines_match_the_reference_for_every_schedule():
-    for rank in run(workers.pipeline_exactness, 4, ((2, 2, 1), CASES), timeout=80):
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    """The PP 2 x EP 2 checks of this module, from one launch."""
+    return run(workers.four_ranks, 4, (CASES, 5), timeout=120)
+
+
+@pytest.mark.timeout(150)
+def test_pp2_x_ep2_pipelines_match_the_reference_for_every_schedule(four_ranks):
+    for rank in (ranks["exactness"] for ranks in four_ranks):
         for result in rank:
             case = result["case"]
             assert result["loss"] == pytest.approx(result["expected"], rel=1e-6), case
@@ -67,20 +85,17 @@ def test_eight_processes_as_pp4_x_ep2_and_pp2_x_ep2_x_dp2():
                 assert result["grad_error"] <= 1e-6, case
 
 
-@pytest.mark.timeout(60)
-def test_the_overlap_hook_gives_the_gradients_of_the_pair_run_one_after_the_other():
-    for result in run(workers.hook_against_sequential, 4, (5,), timeout=50):
+@pytest.mark.timeout(150)
+def test_the_overlap_hook_gives_the_gradients_of_the_pair_run_one_after_the_other(four_ranks):
+    for result in (rank["hook"] for rank in four_ranks):
         on, off = result["losses"]
         assert on == off
         assert result["identical"] and result["grad_error"] == 0.0
 
 
-@pytest.mark.timeout(90)
-def test_an_overlapped_pair_takes_about_max_of_compute_and_communication_in_emulation():
-    layers = 2
-    exchanges = (0.01, 0.02)  # communication below and above compute
-    costs = [{"route": 0.01, "experts": 0.01, "exchange": exchange} for exchange in exchanges]
-    for result in run(workers.emulated_pairs, 2, (layers, costs, 6), timeout=60)[0]:
+@pytest.mark.timeout(180)
+def test_an_overlapped_pair_takes_about_max_of_compute_and_communication_in_emulation(two_ranks):
+    for result in two_ranks[0]["pairs"]:
         compute, comm = result["compute"], result["comm"]
         print(
             f"emulated F&B pair: compute {compute * 1e3:.0f} ms, communication "
@@ -111,9 +126,9 @@ def test_bad_layouts_say_what_to_change_before_any_process_group_exists():
     assert not torch.distributed.is_initialized()
 
 
-@pytest.mark.timeout(60)
-def test_a_mesh_that_does_not_fit_raises_on_every_rank_and_creates_no_group():
-    for messages in run(workers.bad_mesh, 2, timeout=50):
+@pytest.mark.timeout(180)
+def test_a_mesh_that_does_not_fit_raises_on_every_rank_and_creates_no_group(two_ranks):
+    for messages in (rank["bad_mesh"] for rank in two_ranks):
         assert "does not match the world size 2" in messages[0]
         assert "expert-parallel size 3 does not divide the 4 experts" in messages[1]
         assert "top_k 5 is more than the 4 experts" in messages[2]

@@ -26,10 +26,24 @@ EXACT = {
 }  # fmt: skip
 
 
-@pytest.mark.timeout(240)
+#: Every kind of schedule once: at 8 microbatches, the V schedules at 16 (a steady state between
+#: the warm-up and cool-down that make up each rank's whole step at 8).
+EMULATED = [*((name, 8) for name in ("1f1b", "zbh1", "dualpipe")), ("zbv", 16), ("dualpipev", 16)]
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    """The 4-rank emulated timelines and exactness cases, from one launch (the timing first)."""
+    return run(workers.four_ranks, 4, (EMULATED, 0.1, EXACT[4]), timeout=380)
+
+
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_schedule_matches_the_single_process_reference(world):
-    ranks = run(workers.exactness, world, (EXACT[world],), timeout=200)
+def test_every_schedule_matches_the_single_process_reference(world, request):
+    if world == 4:
+        ranks = [rank["exactness"] for rank in request.getfixturevalue("four_ranks")]
+    else:
+        ranks = run(workers.exactness, world, (EXACT[world],), timeout=200)
     for results in ranks:
         for result in results:
             case = result["case"]
@@ -47,17 +61,12 @@ def test_boundary_shapes_and_dtypes_are_learned_and_relearned():
     assert first == third and first != second
 
 
-#: Every kind of schedule at 8 microbatches, the V schedules also at 16 (a longer steady state).
-EMULATED = [*((name, 8) for name in ("1f1b", "zbh1", "zbv", "dualpipe", "dualpipev")),
-            ("zbv", 16), ("dualpipev", 16)]  # fmt: skip
-
-
-@pytest.mark.timeout(240)
-def test_emulated_timelines_wait_no_longer_than_the_schedule_makes_them():
+@pytest.mark.timeout(420)
+def test_emulated_timelines_wait_no_longer_than_the_schedule_makes_them(four_ranks):
     """The simulator fed every op's measured duration and the median measured transfer latency
     and per-op overhead (a loaded machine stretches all three, and the replay keeps that)
     predicts the measured step: the runtime waits for nothing the schedule does not ask for."""
-    results = run(workers.emulated, 4, (EMULATED, 0.1), timeout=200)[0]
+    results = four_ranks[0]["emulated"]
     for result in results:
         print(
             f"{result['case']}: measured {result['measured']:.4f} replayed "

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from cutpipe import generate
-from cutpipe.bench.boundaries import BoundarySetting, measure_rank, measured_steps
+from cutpipe.bench.boundaries import BoundarySetting, measured_steps
 from cutpipe.models import mlp
 from cutpipe.runtime import PipelineRunner, RunnerOptions, run
 from cutpipe.runtime.step_boundary import gradient_word, verdict
@@ -40,14 +40,24 @@ def test_overlapped_steps_equal_synchronous_clipping_and_skipping_bitwise():
                 assert result["error"] <= 1e-6, case
 
 
-@pytest.mark.timeout(180)
-def test_with_data_parallel_replicas_a_nan_in_one_replica_skips_the_step_everywhere():
+#: the emulated timing below: costs as sleeps on 4 ranks
+TIMING = BoundarySetting(microbatches=8, steps=8, rounds=2, unit=0.01)
+DP_STEPS = 12  # the loud steps 3 and 11, the NaN of step 7
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    """The two 4-rank checks of this module, from one launch (the timing first)."""
+    return run(workers.four_ranks, TIMING.ranks, (TIMING, DP_STEPS), timeout=300)
+
+
+@pytest.mark.timeout(360)
+def test_with_data_parallel_replicas_a_nan_in_one_replica_skips_the_step_everywhere(four_ranks):
     """The replicas' gradients are averaged before the verdict, so every pipeline of the mesh
     reads the same one: a NaN in one replica's half of the batch rolls back every rank."""
-    steps = 12  # the loud steps 3 and 11, the NaN of step 7
-    for result in run(workers.post_validation_dp, 4, (steps,), timeout=150):
+    for result in (rank["dp"] for rank in four_ranks):
         assert result["bitwise"]
-        assert result["rollbacks"] == len({s for s in workers.LOUD_STEPS if s < steps}) + 1
+        assert result["rollbacks"] == len({s for s in workers.LOUD_STEPS if s < DP_STEPS}) + 1
 
 
 @pytest.mark.timeout(120)
@@ -127,16 +137,15 @@ def test_clipping_without_the_optimizer_is_an_error_not_a_silent_no_op():
         runner.step(*workers.data(0, 2), optimizer=torch.optim.SGD(runner.parameters(), lr=1))
 
 
-@pytest.mark.timeout(200)
-def test_emulated_steps_overlap_as_the_simulator_predicts():
+@pytest.mark.timeout(360)
+def test_emulated_steps_overlap_as_the_simulator_predicts(four_ranks):
     """Costs as sleeps on 4 ranks: the measured ratio of the overlapped step to the synchronous
     one is the simulator's within 3 points (ZB-V: the next step's warm-up fills this one's
     tail; DualPipeV: its rank 0 starts first and ends last, so there is nothing to gain). On a
     quiet machine ``benchmarks/step_boundary.py`` holds it within 2 points; a loaded one moved
     it by up to 2.9 here, the synchronous step's extra gather growing with the load."""
-    setting = BoundarySetting(microbatches=8, steps=8, rounds=2, unit=0.01)
-    ranks = run(measure_rank, setting.ranks, (setting,), timeout=180)
-    measured = measured_steps(ranks, setting)
+    setting = TIMING
+    measured = measured_steps([rank["timing"] for rank in four_ranks], setting)
     for name in setting.schedules:
         schedule = generate(name, setting.ranks, setting.microbatches)
         predicted = {

@@ -9,11 +9,13 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import train_workers as workers
 
+from cutpipe.cli.main import main as cli
 from cutpipe.runtime import run
 from cutpipe.train.metrics import read_metrics
 from cutpipe.train.options import TrainOptions
@@ -33,6 +35,16 @@ dtype: fp32
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_worker() -> Iterator[None]:
+    """The workers this module spawns train on one thread each, as ENV has the CLI's do: with
+    OMP_NUM_THREADS unset the trainer gives each of them every core, and the oversubscribed
+    cores made these tests many times slower on a small loaded machine."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        yield
+
+
 @pytest.fixture
 def model_file(tmp_path: Path) -> str:
     path = tmp_path / "model.yaml"
@@ -45,13 +57,27 @@ def options(model: str, schedule: str, **changes) -> TrainOptions:
     return TrainOptions(**{**settings, **changes})
 
 
+#: the one-process references: the default run, and 3 steps of the 16-sequence batch (DP tests)
+REFERENCES = {"default": {}, "3 steps of 16": dict(steps=3, batch=16, microbatches=8)}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Each of ``REFERENCES`` trained by one process (1F1B on one rank), in one launch."""
+    path = tmp_path_factory.mktemp("reference") / "model.yaml"
+    path.write_text(MODEL)
+    runs = [options(str(path), "1f1b", **changes) for changes in REFERENCES.values()]
+    results = run(workers.train_runs, 1, (runs,), timeout=240)[0]
+    return dict(zip(REFERENCES, results, strict=True))
+
+
 @pytest.mark.timeout(300)
-def test_pipelined_training_follows_one_process(model_file):
+def test_pipelined_training_follows_one_process(model_file, references):
     """``cutpipe train``'s loop on DualPipeV against one process (tests/test_train_optim.py runs
     every schedule, DualPipe's two copies included, through the runtime itself), with the
     optimizer step synchronous and overlapped (post-validated: the clip bites on most steps, so
     most optimistic steps are rolled back and redone)."""
-    reference = run(workers.train_rank, 1, (options(model_file, "1f1b"),), timeout=240)[0]
+    reference = references["default"]
     boundaries = [{}, {"step_boundary": "overlap", "skip_nonfinite": True}]
     runs = [options(model_file, "dualpipev", **boundary) for boundary in boundaries]
     results = run(workers.train_runs, 2, (runs,), timeout=240)[0]
@@ -65,14 +91,12 @@ def test_pipelined_training_follows_one_process(model_file):
 
 
 @pytest.mark.timeout(300)
-def test_data_parallel_replicas_follow_one_process(model_file):
+def test_data_parallel_replicas_follow_one_process(model_file, references):
     """PP2 x DP2 with ZeRO-1 on the same global batch (each replica half of it): the losses of
     one process running all eight microbatches (tests/test_data_parallel.py checks every mode's
     gradients and parameters; this is the trainer's wiring: mesh, shards, sharded AdamW)."""
     same = dict(steps=3, batch=16)
-    reference = run(
-        workers.train_rank, 1, (options(model_file, "1f1b", microbatches=8, **same),), timeout=240
-    )[0]
+    reference = references["3 steps of 16"]
     settings = options(model_file, "dualpipev", dp=2, dp_mode="zero1", microbatches=4, **same)
     ranks = run(workers.train_rank, 4, (settings,), timeout=240)
     assert len(ranks[0]["losses"]) == 3
@@ -81,27 +105,24 @@ def test_data_parallel_replicas_follow_one_process(model_file):
 
 
 @pytest.mark.timeout(300)
-def test_fsdp_replicas_follow_one_process_and_resume_bitwise(model_file, tmp_path):
+def test_fsdp_replicas_follow_one_process_and_resume_bitwise(model_file, tmp_path, references):
     """PP2 x DP2 with FSDP2 (sharded parameters, gradients and AdamW state): the losses and
     pre-clip gradient norms of one process (clipping bites at step 1, so the norm over the DP
     shards must be whole), and a checkpoint of the shards resumed by the same layout continues
-    bitwise (tests/test_fsdp.py checks the gradients and parameters themselves)."""
+    bitwise (tests/test_fsdp.py checks the gradients and parameters themselves). The resumed run
+    is a new run in the same processes (a killed worker's restart in new processes:
+    test_a_killed_worker_restarts_and_resumes_bitwise)."""
     same = dict(steps=3, batch=16)
-    reference = run(
-        workers.train_rank, 1, (options(model_file, "1f1b", microbatches=8, **same),), timeout=240
-    )[0]
+    reference = references["3 steps of 16"]
     fsdp = dict(dp=2, dp_mode="fsdp", microbatches=4, checkpoint_dir=str(tmp_path / "ckpt"))
     settings = options(model_file, "dualpipev", checkpoint_every=2, **fsdp, **same)
-    whole = run(workers.train_rank, 4, (settings,), timeout=240)[0]
+    again = options(model_file, "dualpipev", resume=True, **fsdp, **same)
+    # back to the checkpoint after step 2 in between, as a run that stopped there would have left it
+    whole, resumed = run(workers.train_and_resume, 4, (settings, again, 2), timeout=240)[0]
     norms = [record["grad_norm"] for record in whole["records"]]
     assert norms[0] > settings.clip
     assert norms == pytest.approx([r["grad_norm"] for r in reference["records"]], rel=1e-5)
     assert whole["losses"] == pytest.approx(reference["losses"], rel=1e-5)
-    # back to the checkpoint after step 2, as a run that stopped there would have left it
-    shutil.rmtree(tmp_path / "ckpt" / "step-000003")
-    (tmp_path / "ckpt" / "latest").write_text("step-000002")
-    settings = options(model_file, "dualpipev", resume=True, **fsdp, **same)
-    resumed = run(workers.train_rank, 4, (settings,), timeout=240)[0]
     assert resumed["resumed_from"] == 2
     assert resumed["losses"] == whole["losses"][2:]
 
@@ -188,10 +209,8 @@ def test_a_dualpipe_checkpoint_reshards_into_other_layouts(model_file, tmp_path)
         assert sorted(got) == [5, 6], got
         for step, loss in got.items():
             assert loss == pytest.approx(expected[step], rel=1e-5), (schedule, step)
-    exported = tmp_path / "model.safetensors"
-    command = [sys.executable, "-m", "cutpipe", "export", "--checkpoint", str(tmp_path / "ckpt"),
-               "-o", str(exported)]  # fmt: skip
-    subprocess.run(command, check=True, capture_output=True, timeout=120, env=ENV)
+    exported = tmp_path / "model.safetensors"  # `cutpipe export` in this process
+    assert cli(["export", "--checkpoint", str(tmp_path / "ckpt"), "-o", str(exported)]) == 0
     from cutpipe.models import language_model, load_model_config
     from cutpipe.train.export import read_safetensors
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from cutpipe.train.checkpoint import POINTER, step_folder
 from cutpipe.train.options import TrainOptions
 from cutpipe.train.trainer import train
 
@@ -15,3 +20,19 @@ def train_rank(rank: int, world: int, options: TrainOptions) -> dict[str, Any]:
 def train_runs(rank: int, world: int, runs: list[TrainOptions]) -> list[dict[str, Any]]:
     """Several runs one after another in the same processes: one launch, not one per run."""
     return [train(options) for options in runs]
+
+
+def train_and_resume(
+    rank: int, world: int, whole: TrainOptions, resumed: TrainOptions, back_to: int
+) -> list[dict[str, Any]]:
+    """``whole``, then ``resumed`` (a new run: its own model, optimizer and data, loaded from
+    the checkpoint) from ``whole``'s checkpoint after step ``back_to``, its final checkpoint
+    removed as a run that stopped there would have left it. One launch, not one per run."""
+    first = train(whole)
+    dist.barrier()
+    if rank == 0:
+        directory = Path(whole.checkpoint_dir)
+        shutil.rmtree(step_folder(directory, whole.steps))
+        (directory / POINTER).write_text(step_folder(directory, back_to).name)
+    dist.barrier()
+    return [first, train(resumed)]
