@@ -54,7 +54,7 @@ def _check(schedule: Schedule, costs: Costs, cap: float, objective: str) -> None
 def _solve(schedule: Schedule, costs: Costs, cap: float, objective: str, window: float,
            effort: float, seed: int) -> Schedule | None:  # fmt: skip
     """One round: the solver's best order within ``window`` of ``schedule``'s starts, or None
-    if it found nothing better than the hint."""
+    if it found none or kept every rank's order."""
     from ortools.sat.python import cp_model
 
     kind, m = schedule.placement, schedule.num_microbatches
@@ -72,8 +72,10 @@ def _solve(schedule: Schedule, costs: Costs, cap: float, objective: str, window:
         first = round(starts[0])
         for c, t in zip(ops, starts, strict=True):
             now[c] = round(t)  # a rank's first op stays: its span is measured from it
-            low = first if c == ops[0] else max(first, now[c] - reach)
-            start[c] = model.NewIntVar(low, now[c] + reach if c != ops[0] else first, "")
+            low, high = (
+                (first, first) if c == ops[0] else (max(first, now[c] - reach), now[c] + reach)
+            )
+            start[c] = model.NewIntVar(low, high, "")
     end = {c: start[c] + dur[c] for c in start}
     for c in start:
         key = flow.awaits(c)
