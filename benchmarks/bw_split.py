@@ -20,8 +20,8 @@ from torch import nn
 
 from cutpipe.models import mlp
 from cutpipe.models.transformer import Layer
-from cutpipe.runtime.chain import Chain
-from cutpipe.runtime.split import WeightGradients, WeightSplitter
+from cutpipe.runtime.compute.deferral import WeightGradients, WeightSplitter
+from cutpipe.runtime.stages import Chain
 from cutpipe.spec import ModelSpec
 
 CASES = [(128, 8), (128, 64), (1024, 8), (1024, 64), (2048, 32)]  # (width, rows per microbatch)

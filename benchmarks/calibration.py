@@ -1,4 +1,4 @@
-"""The analytic cost model against the zero-bubble paper's measurements (cutpipe.plan.calibration).
+"""The analytic cost model against the zero-bubble paper's measurements (cutpipe.plan.costs.calibration).
 
 Prints three tables, those of docs/plan.md, "Calibration": the model's F, B, W and pipeline send
 beside the paper's profiled ones (its Table 6, the middle microbatch count); the bubble rates
@@ -11,7 +11,7 @@ ZB-2p beside the measured ones (its Table 4), with each schedule's gain over 1F1
 
 from __future__ import annotations
 
-from cutpipe.plan.calibration import (
+from cutpipe.plan.costs.calibration import (
     A100,
     SCHEDULES,
     SETUPS,
@@ -19,7 +19,7 @@ from cutpipe.plan.calibration import (
     predicted_passes,
     predicted_throughput,
 )
-from cutpipe.plan.costs import layer_cost
+from cutpipe.plan.costs.model import layer_cost
 from cutpipe.schedule.registry import generate
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.metrics import metrics

@@ -4,7 +4,7 @@ Part 1 uses the zero-bubble paper's profiled costs (microseconds): for the linea
 memory caps of R (ZB-H1's peak), 1.5R and 2R (ZB-H2's) activations, and for the V at R x M_B,
 the fixed orders that fit beside the cost-aware result (``--evaluations`` simulations of local
 search, so the table is the same on every machine), and the lower bound of any schedule
-(``cutpipe.plan.bounds``). Part 2 times ``cost_aware`` at R = 32, m = 256 with its default
+(``cutpipe.plan.search.bounds``). Part 2 times ``cost_aware`` at R = 32, m = 256 with its default
 budget (under 10 s is the aim), median of ``--rounds`` rounds alternating placements.
 
     python benchmarks/cost_aware.py [--rounds 3] [--evaluations 300]
@@ -19,8 +19,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from cutpipe.plan.bounds import bubble_lower_bound
-from cutpipe.plan.scheduler import FIXED, cost_aware, default_cap, placement_for
+from cutpipe.plan.search.bounds import bubble_lower_bound
+from cutpipe.plan.search.scheduler import FIXED, cost_aware, default_cap, placement_for
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.memory import peak_activations

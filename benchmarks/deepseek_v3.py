@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from cutpipe.model_config import load_model_config
-from cutpipe.plan.costs import Training, gpu, model_items
-from cutpipe.plan.recommend import USABLE_MEMORY, Plan, evaluate, recommend
+from cutpipe.plan.costs.model import Training, gpu, model_items
+from cutpipe.plan.recommend.recommend import USABLE_MEMORY, Plan, evaluate, recommend
 
 MODEL = Path(__file__).parent.parent / "examples" / "models" / "deepseek-v3-like.yaml"
 DEVICES, BATCH = 2048, 15360

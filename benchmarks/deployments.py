@@ -17,8 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from cutpipe.model_config import load_model_config
-from cutpipe.plan.costs import gpu
-from cutpipe.plan.recommend import recommend
+from cutpipe.plan.costs.model import gpu
+from cutpipe.plan.recommend.recommend import recommend
 
 MODELS = Path(__file__).parent.parent / "examples" / "models"
 #: (name, model file, GPU, devices, sequences per step, published (PP, DP, EP, TP))

@@ -33,9 +33,10 @@ import torch.distributed as dist
 from torch import nn
 
 from cutpipe import generate
+from cutpipe.launch import run
 from cutpipe.models import mlp
-from cutpipe.runtime import PipelineRunner, run
-from cutpipe.runtime.mesh import build_mesh
+from cutpipe.parallel.mesh import build_mesh
+from cutpipe.runtime import PipelineRunner
 from cutpipe.runtime.program import RankProgram
 
 MODES = ("overlapped", "after", "none")

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cutpipe.plan.costs import gpu
-from cutpipe.plan.recommend import recommend
+from cutpipe.plan.costs.model import gpu
+from cutpipe.plan.recommend.recommend import recommend
 from cutpipe.spec import ModelSpec
 
 MODEL = Path(__file__).parent.parent / "examples" / "models" / "moe-40l.yaml"

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from cutpipe import generate
-from cutpipe.runtime import PipelineRunner, run
+from cutpipe.launch import run
+from cutpipe.runtime import PipelineRunner
 from cutpipe.schedule.codes import BW_CODE, F_CODE, W_CODE, Codec
 
 WIDTH, ROWS = 4, 2

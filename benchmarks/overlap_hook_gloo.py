@@ -19,11 +19,12 @@ import time
 import torch
 
 from cutpipe import generate
+from cutpipe.launch import run
 from cutpipe.models import LanguageModelLoss, language_model
-from cutpipe.models.expert_parallel import shard_experts
-from cutpipe.models.moe_stage import moe_stages
-from cutpipe.runtime import PipelineRunner, run
-from cutpipe.runtime.mesh import build_mesh
+from cutpipe.parallel.expert_parallel import shard_experts
+from cutpipe.parallel.mesh import build_mesh
+from cutpipe.parallel.moe_stage import moe_stages
+from cutpipe.runtime import PipelineRunner
 from cutpipe.spec import ModelSpec
 
 SIZES = {"layers": 4, "hidden": 32, "ffn": 128, "seq_len": 32, "microbatch_size": 4}

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from cutpipe import generate
+from cutpipe.launch import run
 from cutpipe.models import mlp
-from cutpipe.runtime import PipelineRunner, run
+from cutpipe.runtime import PipelineRunner
 
 BLOCKS, BATCH, MICROBATCHES = 16, 128, 16
 

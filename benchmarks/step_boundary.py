@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cutpipe.bench.boundaries import BoundarySetting, measure_rank, measured_steps
-from cutpipe.runtime import run
+from cutpipe.launch import run
 from cutpipe.schedule.registry import generate
 from cutpipe.sim.steps import simulate_steps
 

@@ -136,7 +136,7 @@ def post_validation(rank: int, world: int, cases: list[tuple[str, int, str]], st
 def post_validation_dp(rank: int, world: int, steps: int) -> dict:
     """PP2 x DP2, each replica half of every batch (the NaN of step 7 in one replica's half):
     the two boundaries bitwise equal, and every clipped or skipped step rolled back."""
-    from cutpipe.runtime.mesh import build_mesh
+    from cutpipe.parallel.mesh import build_mesh
 
     mesh = build_mesh(pp=2, dp=2)
     synced, _, _ = train("zbv", 4, "adamw", "sync", steps, mesh)
@@ -166,8 +166,8 @@ def first_word_early(rank: int, world: int) -> dict[str, dict]:
 
     import torch.distributed as dist
 
-    from cutpipe.runtime.collectives import Collectives
-    from cutpipe.runtime.heartbeat import Progress
+    from cutpipe.runtime.failure.heartbeat import Progress
+    from cutpipe.runtime.transport.collectives import Collectives
 
     results = {}
     for kind in ("exchange", "all-gather"):

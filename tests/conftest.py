@@ -43,7 +43,7 @@ def named_shapes(draw, max_ranks: int = 10, extra_microbatches: int = 24):
 def capped_problems(draw, kinds=("linear", "v"), max_ranks: int = 5, max_extra: int = 8):
     """A memory-capped search problem: (placement kind, ranks, microbatches (2R and up), integer
     costs with communication, the cap as a factor of 1F1B's peak from the frontier's)."""
-    from cutpipe.plan.frontier import FACTORS
+    from cutpipe.plan.search.frontier import FACTORS
     from cutpipe.sim.costs import Costs
 
     kind = draw(st.sampled_from(kinds))

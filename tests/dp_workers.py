@@ -10,8 +10,8 @@ from torch import nn
 
 from cutpipe import generate
 from cutpipe.models import mlp
+from cutpipe.parallel.mesh import build_mesh
 from cutpipe.runtime import PipelineRunner
-from cutpipe.runtime.mesh import build_mesh
 
 WIDTH, STEPS, LR = 16, 3, 1e-2
 

@@ -14,9 +14,9 @@ from torch.distributed.tensor import DTensor
 
 from cutpipe import generate
 from cutpipe.models import LanguageModelLoss, language_model, mlp
+from cutpipe.parallel.fsdp import FsdpReducer, shard_stages
 from cutpipe.runtime import PipelineRunner, stage_sizes
-from cutpipe.runtime.fsdp import FsdpReducer, shard_stages
-from cutpipe.runtime.modules import sequence_blocks, split_module
+from cutpipe.runtime.stages import sequence_blocks, split_module
 from cutpipe.spec import ModelSpec
 
 WIDTH, PER_MICROBATCH, LR = 16, 3, 1e-3

@@ -10,10 +10,10 @@ from torch import nn
 
 from cutpipe import generate
 from cutpipe.models import LanguageModelLoss, language_model
-from cutpipe.models.expert_parallel import expert_parameters, shard_experts
-from cutpipe.models.moe_stage import moe_stages
+from cutpipe.parallel.expert_parallel import expert_parameters, shard_experts
+from cutpipe.parallel.mesh import build_mesh
+from cutpipe.parallel.moe_stage import moe_stages
 from cutpipe.runtime import PipelineRunner
-from cutpipe.runtime.mesh import build_mesh
 from cutpipe.spec import ModelSpec
 
 TINY = ModelSpec(
@@ -149,7 +149,7 @@ def emulated_pairs(rank: int, world: int, layers: int, costs: list[dict], m: int
 
 
 def _pair_times(mesh, world: int, layers: int, costs: dict, m: int) -> dict:
-    from cutpipe.models.emulated_moe import EmulatedMoEStage, PhaseCosts
+    from cutpipe.parallel.emulated_moe import EmulatedMoEStage, PhaseCosts
 
     phase_costs = PhaseCosts(**costs)
     schedule = generate("dualpipev", 1, m)

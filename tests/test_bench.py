@@ -17,7 +17,7 @@ from cutpipe.bench.simulated import (
     simulate_at_scale,
 )
 from cutpipe.cli.main import main
-from cutpipe.plan.costs import gpu, model_items
+from cutpipe.plan.costs.model import gpu, model_items
 from cutpipe.plan.partition import rank_balanced_sizes
 from cutpipe.spec import ModelSpec
 

@@ -12,7 +12,7 @@ import checkpoint_workers as workers
 import pytest
 import torch
 
-from cutpipe.runtime import launch, run
+from cutpipe.launch import run, spawn
 from cutpipe.train.checkpoint import (
     MARK,
     POINTER,
@@ -119,7 +119,7 @@ def test_a_resumed_run_continues_bitwise_like_an_uninterrupted_one(tmp_path):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("where", ["before-mark", "before-pointer", "rank-dies"])
 def test_a_crash_while_saving_leaves_latest_at_the_previous_checkpoint(tmp_path, where):
-    outcomes = launch(workers.crash, 2, (str(tmp_path), where), timeout=150, grace=20)
+    outcomes = spawn(workers.crash, 2, (str(tmp_path), where), timeout=150, grace=20)
     victim = 1 if where == "rank-dies" else 0
     assert outcomes[victim].exitcode == 3, outcomes[victim]  # died where the test said
     assert not outcomes[1 - victim].ok  # its peer noticed

@@ -1,4 +1,4 @@
-"""The V lower bound (cutpipe.plan.bounds) and the cool-down settling that reaches it."""
+"""The V lower bound (cutpipe.plan.search.bounds) and the cool-down settling that reaches it."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cutpipe.cli.main import main
-from cutpipe.plan.bounds import v_bubble_lower_bound, v_span_lower_bound
-from cutpipe.plan.cooldown import critical_path_tail, settle_cooldown
-from cutpipe.plan.scheduler import cost_aware
+from cutpipe.plan.search.bounds import v_bubble_lower_bound, v_span_lower_bound
+from cutpipe.plan.search.cooldown import critical_path_tail, settle_cooldown
+from cutpipe.plan.search.scheduler import cost_aware
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.schedule.validate import validate
 from cutpipe.sim.costs import Costs

@@ -5,7 +5,7 @@ import dp_workers as workers
 import pytest
 
 from cutpipe import generate
-from cutpipe.runtime import run
+from cutpipe.launch import run
 from cutpipe.runtime.program import RankProgram, halves
 from cutpipe.schedule.codes import F_CODE
 

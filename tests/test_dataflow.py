@@ -7,7 +7,7 @@ from conftest import dyadic, named_shapes
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cutpipe.plan.events import Ranks
+from cutpipe.plan.search.events import Ranks
 from cutpipe.schedule import Kind, Placement, generate, units
 from cutpipe.schedule.codes import B_CODE, BW_CODE, F_CODE, W_CODE
 from cutpipe.schedule.dataflow import (

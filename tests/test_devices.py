@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from cutpipe.models.transformer import Layer
-from cutpipe.runtime.chain import Chain
-from cutpipe.runtime.recompute import apply_recompute
-from cutpipe.runtime.split import WeightGradients, WeightSplitter
+from cutpipe.runtime.compute.deferral import WeightGradients, WeightSplitter
+from cutpipe.runtime.compute.recompute import apply_recompute
+from cutpipe.runtime.stages import Chain
 from cutpipe.spec import ModelSpec
 
 DEVICES = [

@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cutpipe.runtime.agreement import MismatchError, check_step, failed_ranks, step_word
-from cutpipe.runtime.diagnosis import find_stall
-from cutpipe.runtime.heartbeat import Beat, process_state, this_host
+from cutpipe.runtime.failure.agreement import MismatchError, check_step, failed_ranks, step_word
+from cutpipe.runtime.failure.diagnosis import find_stall
+from cutpipe.runtime.failure.heartbeat import Beat, process_state, this_host
 
 
 def beat(state="step", step=2, op="1F3", peer=None, what=None, stalled=0.0) -> Beat:

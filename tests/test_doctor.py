@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 
 from cutpipe.cli.main import main
-from cutpipe.runtime import doctor
-from cutpipe.runtime.doctor import (
+from cutpipe.doctor import checks as doctor
+from cutpipe.doctor.checks import (
     ADVICE,
     OK,
     UNCHECKED,
@@ -348,7 +348,7 @@ def test_train_workers_print_the_doctors_warnings_once_per_node(monkeypatch, cap
     from pathlib import Path
 
     import cutpipe.cli.train as train_cli
-    import cutpipe.train.launch as launch
+    import cutpipe.launch.elastic as launch
     import cutpipe.train.trainer as trainer
 
     monkeypatch.setattr(doctor, "gather", lambda *a, **k: gpu_node())

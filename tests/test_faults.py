@@ -17,7 +17,7 @@ from pathlib import Path
 import fault_workers as faults
 import pytest
 
-from cutpipe.runtime import LaunchError, launch, run
+from cutpipe.launch import LaunchError, run, spawn
 
 ROOT = Path(__file__).parents[1]
 
@@ -29,7 +29,7 @@ def seconds_of(text: str) -> float:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("how", ["raise", "kill"])
 def test_a_failing_rank_stops_every_rank_naming_it(how):
-    outcomes = launch(faults.failing, 4, (how, 2, "1f1b"), timeout=120)
+    outcomes = spawn(faults.failing, 4, (how, 2, "1f1b"), timeout=120)
     victim = outcomes[2]
     if how == "kill":
         assert victim.exitcode == -9 and "SIGKILL" in victim.reason
@@ -77,7 +77,7 @@ def test_ranks_that_disagree_all_stop_with_one_message_naming_both_sides():
 def test_a_live_hang_stops_every_rank_within_the_step_timeout_naming_the_stuck_op():
     step_timeout = 4.0
     started = time.monotonic()
-    outcomes = launch(faults.hang, 3, (1, "loop", step_timeout), timeout=150, grace=10)
+    outcomes = spawn(faults.hang, 3, (1, "loop", step_timeout), timeout=150, grace=10)
     took = time.monotonic() - started
     stuck = outcomes[1]
     assert stuck.exitcode == 1, stuck
@@ -108,7 +108,7 @@ def test_a_rank_holding_the_gil_shorter_than_the_step_timeout_is_not_declared_de
 @pytest.mark.timeout(180)
 def test_a_frozen_rank_is_named_and_the_launcher_kills_it():
     started = time.monotonic()
-    outcomes = launch(faults.frozen, 3, (1,), timeout=150, grace=5)
+    outcomes = spawn(faults.frozen, 3, (1,), timeout=150, grace=5)
     took = time.monotonic() - started
     assert outcomes[1].exitcode == -signal.SIGKILL, outcomes[1]
     assert outcomes[1].note.startswith("killed: still running 5 s after rank"), outcomes[1].note
@@ -124,7 +124,7 @@ def test_a_frozen_rank_is_named_and_the_launcher_kills_it():
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("how", ["raise", "exit"])
 def test_a_rank_that_fails_outside_its_ops_is_named_with_where_it_was(how):
-    outcomes = launch(faults.between_steps, 2, (1, how), timeout=150)
+    outcomes = spawn(faults.between_steps, 2, (1, how), timeout=150)
     text = outcomes[0].result if outcomes[0].ok else outcomes[0].stderr
     victim = outcomes[1]
     if how == "raise":
@@ -145,7 +145,7 @@ def test_a_rank_that_fails_outside_its_ops_is_named_with_where_it_was(how):
 @pytest.mark.timeout(120)
 def test_the_launcher_returns_soon_after_a_failure_and_at_its_deadline():
     started = time.monotonic()
-    outcomes = launch(faults.lingering, 2, timeout=100, grace=3)
+    outcomes = spawn(faults.lingering, 2, timeout=100, grace=3)
     assert time.monotonic() - started < 60
     assert outcomes[0].exitcode == 1 and "rank 0 gives up" in outcomes[0].reason
     assert outcomes[1].note == "killed: still running 3 s after rank 0 failed"

@@ -10,7 +10,7 @@ import pytest
 
 from cutpipe import generate, simulate
 from cutpipe.files import check_output, replacing, write_text
-from cutpipe.plan.profile import Profile
+from cutpipe.plan.costs.profile import Profile
 from cutpipe.spec import ModelSpec
 from cutpipe.viz import chrome_trace, html, png, scene
 

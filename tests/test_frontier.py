@@ -1,5 +1,5 @@
 """The memory/bubble frontier: deterministic, monotone searches and the warm-up lower bound
-(cutpipe.plan.frontier, cutpipe.plan.bounds, ``cutpipe tune --frontier``)."""
+(cutpipe.plan.search.frontier, cutpipe.plan.search.bounds, ``cutpipe tune --frontier``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from conftest import capped_problems
 from hypothesis import given, settings
 
 from cutpipe.cli.main import main
-from cutpipe.plan.bounds import span_bubble, warmup_span_lower_bound
-from cutpipe.plan.frontier import (
+from cutpipe.plan.search.bounds import span_bubble, warmup_span_lower_bound
+from cutpipe.plan.search.frontier import (
     FACTORS,
     frontier,
     marks,
@@ -20,8 +20,8 @@ from cutpipe.plan.frontier import (
     span_first,
     w_memory_sweep,
 )
-from cutpipe.plan.rounds import rounds_schedule
-from cutpipe.plan.scheduler import FIXED, cost_aware, default_cap, round_trips
+from cutpipe.plan.search.rounds import rounds_schedule
+from cutpipe.plan.search.scheduler import FIXED, cost_aware, default_cap, round_trips
 from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.registry import generate, schedule_info
 from cutpipe.schedule.validate import validate

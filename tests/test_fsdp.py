@@ -1,4 +1,4 @@
-"""The ``fsdp`` data-parallel mode (FSDP2 on each stage, ``cutpipe.runtime.fsdp``) on gloo: PP 2 x
+"""The ``fsdp`` data-parallel mode (FSDP2 on each stage, ``cutpipe.parallel.fsdp``) on gloo: PP 2 x
 DP 2 trains exactly as one process on the whole batch, with the B/W split and DualPipe's
 mirrored copies, and holds the memory its docs say."""
 
@@ -6,8 +6,8 @@ import fsdp_workers as workers
 import pytest
 from torch import nn
 
-from cutpipe.runtime import run
-from cutpipe.runtime.fsdp import FsdpReducer, shard_stages
+from cutpipe.launch import run
+from cutpipe.parallel.fsdp import FsdpReducer, shard_stages
 
 Case = workers.Case
 CASES = [

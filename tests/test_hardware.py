@@ -1,10 +1,10 @@
-"""GPU presets and custom GPU files (cutpipe.plan.hardware)."""
+"""GPU presets and custom GPU files (cutpipe.plan.costs.hardware)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cutpipe.plan.hardware import GPUS, gpu, load_gpu
+from cutpipe.plan.costs.hardware import GPUS, gpu, load_gpu
 
 
 def test_every_preset_is_there_and_a100_means_the_80_gb_part():

@@ -1,4 +1,4 @@
-"""Cutting any module into stages by block names (``cutpipe.runtime.modules``), and
+"""Cutting any module into stages by block names (``cutpipe.runtime.stages``), and
 ``PipelineRunner.from_module``: every parameter keeps the unsplit model's name."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from module_workers import DENSE, MOE, Tower
 from torch import nn
 
 from cutpipe import generate
+from cutpipe.launch import run
 from cutpipe.models import LanguageModelLoss, language_model, mlp
-from cutpipe.runtime import PipelineRunner, run
-from cutpipe.runtime.chain import Chain
-from cutpipe.runtime.modules import Stage, default_blocks, split_module
+from cutpipe.runtime import PipelineRunner
+from cutpipe.runtime.stages import Chain, Stage, default_blocks, split_module
 
 LAYERS = [f"layers.{i}" for i in range(DENSE.layers)]
 SPLITS = [None, ["layers.0"], ["layers.2", "layers.5", "head"], [1, 6, 1], [2, 2, 2, 2]]

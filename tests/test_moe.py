@@ -9,10 +9,10 @@ import moe_workers as workers
 import pytest
 import torch
 
+from cutpipe.launch import run
 from cutpipe.models.transformer import MoE
-from cutpipe.runtime import run
-from cutpipe.runtime.memory import ActivationMeter, state_bytes
-from cutpipe.runtime.mesh import Layout, build_mesh
+from cutpipe.parallel.mesh import Layout, build_mesh
+from cutpipe.runtime.compute.memory import ActivationMeter, state_bytes
 from cutpipe.spec import ModelSpec
 
 #: the emulated pairs: 2 MoE layers; communication below and above compute

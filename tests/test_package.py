@@ -46,16 +46,21 @@ LAYERS = {
     "interop": layer(LAZY, "schedule"),
     "plan": layer(NEVER, "schedule sim spec records files"),
     "runtime": layer(ANYWHERE, "schedule sim records files"),
-    "models": layer(ANYWHERE, "runtime spec model_config"),
-    "measure": layer(ANYWHERE, "plan models runtime spec"),
+    "models": layer(ANYWHERE, "spec model_config"),
+    "parallel": layer(ANYWHERE, "runtime models"),
+    "launch": layer(ANYWHERE, "runtime"),
+    "doctor": layer(LAZY),
+    "profiling": layer(ANYWHERE, "plan models runtime spec"),
     "data": layer(LAZY, "files"),
     "train": layer(
-        ANYWHERE, "schedule sim plan runtime models data spec model_config files records"
+        ANYWHERE,
+        "schedule sim plan runtime models parallel data spec model_config files records",
     ),
-    "bench": layer(LAZY, "schedule sim plan runtime models spec"),
+    "bench": layer(LAZY, "schedule sim plan runtime models parallel launch spec"),
     "cli": layer(
         LAZY,
-        "schedule sim viz plan runtime models measure bench data train spec model_config files records",
+        "schedule sim viz plan runtime models parallel launch doctor profiling bench data train "
+        "spec model_config files records",
     ),
     "__main__": layer(LAZY, "cli"),
     "cutpipe": layer(NEVER, "schedule sim"),
@@ -80,7 +85,7 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(name: str) -> str:
-    """``cutpipe.plan.costs`` is in layer ``plan``; ``cutpipe`` itself in ``cutpipe``."""
+    """``cutpipe.plan.costs.model`` is in layer ``plan``; ``cutpipe`` itself in ``cutpipe``."""
     parts = name.split(".")
     return parts[1] if len(parts) > 1 else "cutpipe"
 

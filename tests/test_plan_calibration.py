@@ -1,7 +1,7 @@
 """The analytic cost model against published measurements (docs/plan.md, "Calibration").
 
 The zero-bubble paper (Qi et al., ICLR 2024) profiled its pipeline passes on A100-80GB GPUs and
-measured each schedule's throughput (``cutpipe.plan.calibration`` holds its tables). cutpipe's
+measured each schedule's throughput (``cutpipe.plan.costs.calibration`` holds its tables). cutpipe's
 GEMM-efficiency curve, elementwise traffic and send cost are fitted to the profiled passes, the
 per-pass overhead to the ZB-2p throughputs; the tests pin how close the model comes to the rest.
 """
@@ -12,7 +12,7 @@ from itertools import permutations
 
 import pytest
 
-from cutpipe.plan.calibration import (
+from cutpipe.plan.costs.calibration import (
     A100,
     SCHEDULES,
     SETUPS,
@@ -22,8 +22,8 @@ from cutpipe.plan.calibration import (
     predicted_throughput,
     slowest_send,
 )
-from cutpipe.plan.costs import PASS_OVERHEAD, Training, layer_cost, model_items, p2p_time
-from cutpipe.plan.hardware import gpu
+from cutpipe.plan.costs.hardware import gpu
+from cutpipe.plan.costs.model import PASS_OVERHEAD, Training, layer_cost, model_items, p2p_time
 from cutpipe.schedule.registry import generate
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.metrics import metrics

@@ -1,4 +1,4 @@
-"""The analytic cost model and model files (cutpipe.plan.costs), and measured profiles."""
+"""The analytic cost model and model files (cutpipe.plan.costs.model), and measured profiles."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cutpipe.measure import measure
-from cutpipe.plan.costs import (
+from cutpipe.plan.costs.model import (
     PASS_OVERHEAD,
     gpu,
     layer_cost,
@@ -17,7 +16,8 @@ from cutpipe.plan.costs import (
     summarize,
     w_memory,
 )
-from cutpipe.plan.profile import Profile
+from cutpipe.plan.costs.profile import Profile
+from cutpipe.profiling import measure
 from cutpipe.spec import ModelSpec
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "models"

@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("ortools")
 
-from cutpipe.plan.exact import exact_schedule
-from cutpipe.plan.scheduler import cost_aware, default_cap, within
+from cutpipe.plan.search.exact import exact_schedule
+from cutpipe.plan.search.scheduler import cost_aware, default_cap, within
 from cutpipe.schedule.codes import B_CODE, F_CODE, W_CODE, Codec
 from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.registry import schedule_info

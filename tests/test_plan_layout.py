@@ -10,10 +10,10 @@ import pytest
 
 from cutpipe.cli.main import main
 from cutpipe.plan import progress as progress_module
-from cutpipe.plan.costs import gpu, model_items, optimizer_time, p2p_time, w_memory
+from cutpipe.plan.costs.model import gpu, model_items, optimizer_time, p2p_time, w_memory
 from cutpipe.plan.partition import balance, evaluate, even_sizes, stage_costs
-from cutpipe.plan.recommend import USABLE_MEMORY, reason, recommend, ring_allreduce
-from cutpipe.plan.recommend import evaluate as evaluate_plan
+from cutpipe.plan.recommend.recommend import USABLE_MEMORY, reason, recommend, ring_allreduce
+from cutpipe.plan.recommend.recommend import evaluate as evaluate_plan
 from cutpipe.schedule.registry import generate
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from cutpipe.model_config import load_model_config
-from cutpipe.plan.costs import Training, gpu, model_items, p2p_time, w_memory
+from cutpipe.plan.costs.model import Training, gpu, model_items, p2p_time, w_memory
 from cutpipe.plan.partition import rank_balanced_sizes, stage_costs
-from cutpipe.plan.recommend import (
+from cutpipe.plan.recommend.recommend import (
     DEFAULT_SCHEDULES,
     Plan,
     Rejected,

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from cutpipe.cli.main import main
-from cutpipe.plan.costs import gpu, model_items, p2p_time, w_memory
+from cutpipe.plan.costs.model import gpu, model_items, p2p_time, w_memory
 from cutpipe.plan.partition import even_sizes, rank_balanced_sizes, stage_costs
-from cutpipe.plan.recommend import (
+from cutpipe.plan.recommend.recommend import (
     SINGLE_RANK,
     USABLE_MEMORY,
     Plan,

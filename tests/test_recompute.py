@@ -15,11 +15,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cutpipe.models.transformer import Embedding, Head, LanguageModelLoss, Layer
-from cutpipe.plan.costs import w_memory
-from cutpipe.runtime.chain import Chain
-from cutpipe.runtime.recompute import apply_recompute, recompute_units
-from cutpipe.runtime.saved import SavedMeter, slot_bytes
-from cutpipe.runtime.split import WeightGradients, WeightSplitter
+from cutpipe.plan.costs.model import w_memory
+from cutpipe.runtime.compute.deferral import WeightGradients, WeightSplitter
+from cutpipe.runtime.compute.recompute import apply_recompute, recompute_units
+from cutpipe.runtime.compute.saved import SavedMeter, slot_bytes
+from cutpipe.runtime.stages import Chain
 from cutpipe.spec import ModelSpec
 
 DENSE = ModelSpec(

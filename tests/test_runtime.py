@@ -6,7 +6,7 @@ import json
 import pytest
 import runtime_workers as workers
 
-from cutpipe.runtime import run
+from cutpipe.launch import run
 
 EXACT = {
     2: [

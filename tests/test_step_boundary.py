@@ -10,8 +10,9 @@ from torch import nn
 
 from cutpipe import generate
 from cutpipe.bench.boundaries import BoundarySetting, measured_steps
+from cutpipe.launch import run
 from cutpipe.models import mlp
-from cutpipe.runtime import PipelineRunner, RunnerOptions, run
+from cutpipe.runtime import PipelineRunner, RunnerOptions
 from cutpipe.runtime.step_boundary import gradient_word, verdict
 from cutpipe.sim.steps import simulate_steps
 from cutpipe.train.options import TrainOptions

@@ -1,4 +1,4 @@
-"""Tensor parallelism inside pipeline stages (``cutpipe.models.tensor_parallel``) on gloo: PP 2 x
+"""Tensor parallelism inside pipeline stages (``cutpipe.parallel.tensor_parallel``) on gloo: PP 2 x
 TP 2 (4 processes) trains as the unsharded model in one process, with and without the B/W split,
 and ``parallelize_stage`` shards what it says and refuses what it cannot shard.
 
@@ -19,7 +19,7 @@ run holds the same comparison to 1e-12.
 import pytest
 import tp_workers as workers
 
-from cutpipe.runtime import run
+from cutpipe.launch import run
 
 #: (schedule, microbatches, split_backward, kv_heads, dtype)
 CASES = [

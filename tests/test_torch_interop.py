@@ -190,8 +190,8 @@ def test_torch_runtime_trains_cutpipe_schedules_exactly(world, tmp_path):
     import interop_workers
 
     from cutpipe.cli.main import main
-    from cutpipe.plan.scheduler import cost_aware
-    from cutpipe.runtime import run
+    from cutpipe.launch import run
+    from cutpipe.plan.search.scheduler import cost_aware
     from cutpipe.schedule.fileformat import save_schedule
     from cutpipe.sim import Costs, peak_activations
 

@@ -16,7 +16,7 @@ import pytest
 import train_workers as workers
 
 from cutpipe.cli.main import main as cli
-from cutpipe.runtime import run
+from cutpipe.launch import run
 from cutpipe.train.metrics import read_metrics
 from cutpipe.train.options import TrainOptions
 

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from cutpipe import generate
-from cutpipe.runtime import PipelineRunner, run, stage_sizes
+from cutpipe.launch import run
+from cutpipe.runtime import PipelineRunner, stage_sizes
 from cutpipe.train.optim import (
     WarmupCosine,
     accumulate,

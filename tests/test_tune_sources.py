@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cutpipe.cli.main import main
-from cutpipe.plan.costs import gpu, model_items, w_memory
-from cutpipe.plan.profile import Profile
-from cutpipe.plan.scheduler import FIXED, cost_aware, default_cap, within
+from cutpipe.plan.costs.model import gpu, model_items, w_memory
+from cutpipe.plan.costs.profile import Profile
+from cutpipe.plan.search.scheduler import FIXED, cost_aware, default_cap, within
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.schedule.validate import validate
 from cutpipe.sim.costs import Costs

@@ -10,9 +10,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from cutpipe import generate
 from cutpipe.models import LanguageModelLoss, language_model
-from cutpipe.models.tensor_parallel import parallelize_stage, tp_plan
+from cutpipe.parallel.tensor_parallel import parallelize_stage, tp_plan
 from cutpipe.runtime import PipelineRunner
-from cutpipe.runtime.split import WeightGradients, WeightSplitter
+from cutpipe.runtime.compute.deferral import WeightGradients, WeightSplitter
 from cutpipe.spec import ModelSpec
 
 #: a tiny dense decoder: 4 heads, so 2 per TP rank

@@ -6,7 +6,7 @@ the machine's noise falls on every schedule alike. Per schedule:
 
 - throughput: the global batch over the median step time (the slowest rank's, after a barrier);
 - peak memory per rank: parameters, gradients and Adam's state, plus the activation peak of one
-  step measured from the tensors autograd saves (``cutpipe.runtime.memory``);
+  step measured from the tensors autograd saves (``cutpipe.runtime.compute.memory``);
 - bubble: from the measured timeline of the median step, the idle share of the most idle rank
   (taken per pipeline, the largest over pipelines);
 - communication: the seconds a rank waited for all-to-alls (counted by the stages), over the
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from cutpipe.bench.report import LINEUP, Row
-from cutpipe.plan.costs import gpu, model_items
+from cutpipe.plan.costs.model import gpu, model_items
 from cutpipe.plan.partition import rank_balanced_sizes
 from cutpipe.schedule.registry import generate, schedule_info
 from cutpipe.schedule.schedule import Schedule
@@ -57,7 +57,7 @@ class RealSetting:
 
     def check(self) -> None:
         """A ValueError saying what to change, before any process starts."""
-        from cutpipe.runtime.mesh import Layout
+        from cutpipe.parallel.mesh import Layout
 
         Layout(self.pp, self.ep).check(
             self.processes, self.model.experts, self.model.top_k if self.model.moe else None
@@ -84,8 +84,8 @@ def _runner(name: str, setting: RealSetting, mesh: Any, overlap: bool) -> tuple[
     import torch
 
     from cutpipe.models import LanguageModelLoss, language_model
-    from cutpipe.models.expert_parallel import expert_parameters, shard_experts
-    from cutpipe.models.moe_stage import moe_stages
+    from cutpipe.parallel.expert_parallel import expert_parameters, shard_experts
+    from cutpipe.parallel.moe_stage import moe_stages
     from cutpipe.runtime import PipelineRunner
 
     schedule = generate(name, setting.pp, setting.microbatches)
@@ -110,8 +110,8 @@ def bench_rank(rank: int, world: int, setting: RealSetting) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from cutpipe.runtime.memory import ActivationMeter, state_bytes
-    from cutpipe.runtime.mesh import build_mesh
+    from cutpipe.parallel.mesh import build_mesh
+    from cutpipe.runtime.compute.memory import ActivationMeter, state_bytes
     from cutpipe.sim.metrics import metrics
 
     spec = setting.model
@@ -218,10 +218,10 @@ def rows_from(results: list[dict[str, Any]], setting: RealSetting) -> list[Row]:
 
 def run_real(setting: RealSetting, timeout: float = 600.0) -> tuple[list[Row], float]:
     """Launch the processes; the rows and the hook's step-time ratio (with / without)."""
-    from cutpipe.runtime.launch import LaunchError, launch
+    from cutpipe.launch.local import LaunchError, spawn
 
     setting.check()
-    outcomes = launch(bench_rank, setting.processes, (setting,), timeout=timeout)
+    outcomes = spawn(bench_rank, setting.processes, (setting,), timeout=timeout)
     if not all(outcome.ok for outcome in outcomes):
         raise RuntimeError(str(LaunchError(outcomes)))
     results = [outcome.result for outcome in outcomes]

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from cutpipe.bench.report import Row
-from cutpipe.plan.costs import gpu, training_flops_per_token
+from cutpipe.plan.costs.model import gpu, training_flops_per_token
 from cutpipe.sim.formulas import bubble_1f1b, bubble_dualpipe
 
 SOURCE = (

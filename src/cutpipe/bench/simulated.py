@@ -6,7 +6,7 @@ sequences of 2048 tokens) with 1F1B, DualPipe and Cut-in-half; the model is ``mo
 beside this module. The GPUs are split into pipeline x expert parallelism (by default PP 4 x
 EP 2, so the all-to-alls run inside a node). Every item of the model (embedding,
 layers, head) gets its forward, backward, weight-gradient and all-to-all times and its
-activation and parameter bytes from ``cutpipe.plan.costs``; the items are cut into each
+activation and parameter bytes from ``cutpipe.plan.costs.model``; the items are cut into each
 schedule's stages so that every rank's compute is as even as one layer's granularity allows
 (``cutpipe.plan.partition.rank_balanced_sizes``); the simulator then times a step and counts
 memory:
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from cutpipe.bench.report import LINEUP, Row
-from cutpipe.plan.costs import (
+from cutpipe.plan.costs.model import (
     STATE_BYTES_PER_PARAMETER,
     boundary_bytes,
     gpu,

@@ -25,7 +25,7 @@ from cutpipe.cli.common import (
     require_torch,
     whole,
 )
-from cutpipe.plan.recommend import MAX_DEVICES
+from cutpipe.plan.recommend.recommend import MAX_DEVICES
 
 #: Local processes (PP x EP) the real runs start at most.
 MAX_PROCESSES = 64

@@ -313,8 +313,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, gpu_required: bool = Tr
 def load_model_arguments(args: argparse.Namespace):
     """(model, hardware, profile or None, memory bytes or None) from ``add_model_arguments``."""
     from cutpipe.model_config import load_model_config
-    from cutpipe.plan.hardware import gpu
-    from cutpipe.plan.profile import Profile
+    from cutpipe.plan.costs.hardware import gpu
+    from cutpipe.plan.costs.profile import Profile
 
     if args.model is None and args.profile is None:
         raise ValueError("give the model: --model FILE.yaml (or --profile FILE.json)")

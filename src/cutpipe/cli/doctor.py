@@ -44,7 +44,7 @@ def _local_rank() -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cutpipe.runtime.doctor import STATUSES, diagnose, gather
+    from cutpipe.doctor.checks import STATUSES, diagnose, gather
 
     rank = _local_rank()
     if rank is not None and rank != 0:

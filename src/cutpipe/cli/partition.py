@@ -12,9 +12,9 @@ from cutpipe.cli.common import (
     print_json,
     schedule_from_args,
 )
-from cutpipe.plan.costs import model_items, p2p_time, w_memory
+from cutpipe.plan.costs.model import model_items, p2p_time, w_memory
 from cutpipe.plan.partition import balance, evaluate, even_sizes
-from cutpipe.plan.recommend import USABLE_MEMORY
+from cutpipe.plan.recommend.recommend import USABLE_MEMORY
 
 
 def register(commands: argparse._SubParsersAction) -> None:

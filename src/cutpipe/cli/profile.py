@@ -6,7 +6,7 @@ import argparse
 import re
 
 from cutpipe.cli.common import output_file, print_json, require_torch, whole
-from cutpipe.plan.profile import DTYPES
+from cutpipe.plan.costs.profile import DTYPES
 from cutpipe.spec import ModelSpec
 
 #: Timed or warm-up rounds: each builds and runs every item of the model once.
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     require_torch()
     import torch
 
-    from cutpipe.measure import check_fits, measure  # imports torch
+    from cutpipe.profiling import check_fits, measure  # imports torch
 
     device = args.device
     if device is None:

@@ -14,8 +14,8 @@ from cutpipe.cli.common import (
     schedule_names,
     whole,
 )
-from cutpipe.plan.costs import RECOMPUTE
-from cutpipe.plan.recommend import (
+from cutpipe.plan.costs.model import RECOMPUTE
+from cutpipe.plan.recommend.recommend import (
     DEFAULT_SCHEDULES,
     MAX_DEVICES,
     MEASURE_WORDS,

@@ -3,7 +3,7 @@
 With ``--model FILE`` (a cutpipe model file or a Hugging Face ``config.json``) it trains that
 transformer on text (``--data``, by default the Python standard library's sources) with AdamW,
 warm-up and cosine decay, clipping, checkpoints and a metrics log, its ``--nproc`` workers
-started by torch's elastic agent (``cutpipe.train.launch``; the same command runs under
+started by torch's elastic agent (``cutpipe.launch.elastic``; the same command runs under
 ``torchrun -m cutpipe train``). docs/training.md covers every option.
 
 Without ``--model`` it is a quick look at a schedule running: ``--nproc`` local processes train
@@ -305,14 +305,14 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
 
 def run_model(args: argparse.Namespace) -> int:
     """Train ``--model``: as a worker under torchrun, or by starting the workers."""
-    from cutpipe.train.launch import Launch, LaunchFailed, is_worker, launch
+    from cutpipe.launch.elastic import Launch, LaunchFailed, is_worker, run_workers
     from cutpipe.train.options import resolve_schedule
 
     options = train_options(args)
     if is_worker():
         from torch.distributed.elastic.multiprocessing.errors import record
 
-        from cutpipe.runtime.doctor import startup_warnings
+        from cutpipe.doctor.checks import startup_warnings
         from cutpipe.train.trainer import train
 
         if os.environ.get("LOCAL_RANK") == "0":  # once per node, however it was launched
@@ -345,7 +345,7 @@ def run_model(args: argparse.Namespace) -> int:
         rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, timeout=args.timeout,
     )  # fmt: skip
     try:
-        launch(args.argv, plan)
+        run_workers(args.argv, plan)
     except LaunchFailed as failure:
         print(f"cutpipe train: {failure}", file=sys.stderr)
         return 1
@@ -377,12 +377,12 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from cutpipe.runtime.launch import LaunchError, launch
+    from cutpipe.launch.local import LaunchError, spawn
     from cutpipe.sim import Costs, Timeline, metrics, simulate
 
     options = _options(args)
     timeout = 600.0 if args.timeout is None else args.timeout
-    outcomes = launch(train_rank, args.nproc, (options,), backend=args.backend, timeout=timeout)
+    outcomes = spawn(train_rank, args.nproc, (options,), backend=args.backend, timeout=timeout)
     if not all(o.ok for o in outcomes):
         failure = LaunchError(outcomes)
         print(f"cutpipe train: {failure.summary}", file=sys.stderr)

@@ -15,8 +15,8 @@ from cutpipe.cli.common import (
     readable_file,
     real,
 )
-from cutpipe.plan.bounds import v_bubble_lower_bound
-from cutpipe.plan.scheduler import (
+from cutpipe.plan.search.bounds import v_bubble_lower_bound
+from cutpipe.plan.search.scheduler import (
     DEFAULT_EVALUATIONS,
     FIXED,
     SEARCHED_OPS,
@@ -168,9 +168,9 @@ def planned_costs(args: argparse.Namespace) -> tuple[Costs, Planned]:
     """Per-stage costs (seconds, bytes) of ``--model`` or ``--profile`` on ``--gpu``: the
     model's items balanced over the placement's stages, as ``cutpipe partition`` does."""
     from cutpipe.model_config import load_model_config
-    from cutpipe.plan.costs import gpu, model_items, p2p_time, w_memory
+    from cutpipe.plan.costs.model import gpu, model_items, p2p_time, w_memory
+    from cutpipe.plan.costs.profile import Profile
     from cutpipe.plan.partition import rank_balanced_sizes, stage_costs
-    from cutpipe.plan.profile import Profile
 
     option = "--model" if args.model is not None else "--profile"
     if args.gpu is None:
@@ -235,12 +235,12 @@ def run(args: argparse.Namespace) -> int:
                        args.evaluations, args.seed)  # fmt: skip
     rows = [(tuned.name, metrics(simulate(tuned, costs), costs))]
     if args.polish is not None:
-        from cutpipe.plan.polish import polish
+        from cutpipe.plan.search.polish import polish
 
         tuned = polish(tuned, costs, cap, args.objective, effort=args.polish)
         rows.append((f"{tuned.name}, polished", metrics(simulate(tuned, costs), costs)))
     if args.exact:
-        from cutpipe.plan.exact import exact_schedule
+        from cutpipe.plan.search.exact import exact_schedule
 
         solved = exact_schedule(args.placement, R, m, costs, cap, args.objective)
         label = "exact (optimal)" if solved.optimal else "exact (best found, not proven)"
@@ -307,7 +307,7 @@ def print_table(args: argparse.Namespace, rows: list, cap: float, planned: Plann
     console.print(table)
     if floor is not None:
         console.print(f"No V schedule has a span bubble below {floor:.6f} with these costs and this "
-                      "cap (cutpipe.plan.bounds).")  # fmt: skip
+                      "cap (cutpipe.plan.search.bounds).")  # fmt: skip
 
 
 def run_frontier(args: argparse.Namespace) -> int:
@@ -316,7 +316,7 @@ def run_frontier(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from cutpipe.plan.frontier import FACTORS, frontier, marks
+    from cutpipe.plan.search.frontier import FACTORS, frontier, marks
 
     for option, given in (("--memory-cap", args.memory_cap), ("--model", args.model),
                           ("--profile", args.profile), ("--exact", args.exact or None)):  # fmt: skip

@@ -1,20 +1,7 @@
-"""Reference models to run pipelines on."""
+"""Models to run pipelines on: the example MLP and a decoder-only transformer (dense or MoE)."""
 
 from cutpipe.model_config import load_model_config
-from cutpipe.models.expert_parallel import ExpertParallel, expert_parameters, shard_experts
 from cutpipe.models.mlp import mlp
-from cutpipe.models.moe_stage import MoEStage, moe_stages
 from cutpipe.models.transformer import LanguageModel, LanguageModelLoss, language_model
 
-__all__ = [
-    "ExpertParallel",
-    "LanguageModel",
-    "LanguageModelLoss",
-    "MoEStage",
-    "expert_parameters",
-    "language_model",
-    "load_model_config",
-    "mlp",
-    "moe_stages",
-    "shard_experts",
-]
+__all__ = ["LanguageModel", "LanguageModelLoss", "language_model", "load_model_config", "mlp"]

@@ -5,7 +5,7 @@ causal attention, then a gated MLP or a top-k routed mixture of experts), and a 
 module between stages takes and returns ``(hidden, aux)``: ``aux`` accumulates the MoE
 load-balancing loss along the pipeline, so the last stage can add it to the loss.
 
-All experts of an ``MoE`` live on this rank unless ``cutpipe.models.expert_parallel.shard_experts``
+All experts of an ``MoE`` live on this rank unless ``cutpipe.parallel.expert_parallel.shard_experts``
 spreads them over an expert-parallel group; then its dispatch goes through all-to-alls.
 """
 
@@ -166,7 +166,7 @@ class LanguageModel(nn.Module):
     ``head.out.weight``), so that a checkpoint of a pipelined copy (``PipelineRunner.from_module``
     keeps these names) matches the unsplit model. It is also the sequence of its blocks
     ``[embed, layers.0, ..., head]`` (``len``, iteration, indexing), the cost items of
-    ``cutpipe.plan.costs``, so code that cuts a model by position (``moe_stages``,
+    ``cutpipe.plan.costs.model``, so code that cuts a model by position (``moe_stages``,
     ``PipelineRunner.from_sequential``) takes it as it took a ``Chain``.
     """
 

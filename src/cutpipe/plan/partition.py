@@ -1,6 +1,6 @@
 """Balanced stages: split a model's cost items into a placement's stages for the shortest step.
 
-The items are the embedding, every layer and the head (``cutpipe.plan.costs.model_items``). A
+The items are the embedding, every layer and the head (``cutpipe.plan.costs.model.model_items``). A
 partition gives each stage a run of consecutive items, at least one. The balancer starts from
 the split that evens out each stage's compute, then moves one item at a time across a stage
 boundary while the simulated step gets shorter and every rank's memory stays under the cap. On a
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise, permutations
 
-from cutpipe.plan.costs import ItemCost
+from cutpipe.plan.costs.model import ItemCost
 from cutpipe.plan.progress import progress
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs

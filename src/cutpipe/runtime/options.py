@@ -19,8 +19,13 @@ from cutpipe.sim.costs import Costs
 from cutpipe.sim.steps import BOUNDARIES
 
 if TYPE_CHECKING:
-    from cutpipe.runtime.data_parallel import GradientReducer
-    from cutpipe.runtime.protocols import Executor, ExecutorContext, Transport, TransportContext
+    from cutpipe.runtime.protocols import (
+        Executor,
+        ExecutorContext,
+        GradientReducer,
+        Transport,
+        TransportContext,
+    )
 
 #: seconds a rank may go without completing an op before the watchdog stops the pipeline
 DEFAULT_STEP_TIMEOUT = 600.0
@@ -57,7 +62,7 @@ class RunnerOptions:
     make_executor, make_transport: factories of this rank's executor and transport (None: the
         stage executor, or the emulated one with ``emulate``; the point-to-point ``Mailbox``).
     reducer: data parallelism: averages each stage's gradients over its replicas, started as
-        soon as the stage's last backward of the step has run (``cutpipe.runtime.data_parallel``;
+        soon as the stage's last backward of the step has run (``cutpipe.parallel.data_parallel``;
         ``ParallelMesh.gradient_reducer()`` builds one). None: no data parallelism.
     """
 
@@ -137,7 +142,7 @@ class RunnerOptions:
         ):
             raise TypeError(
                 "reducer must have stage_done(stage, parameters) and finish() (a "
-                f"cutpipe.runtime.data_parallel.GradientReducer), got {type(self.reducer).__name__}"
+                f"cutpipe.runtime.protocols.GradientReducer), got {type(self.reducer).__name__}"
             )
         for name in ("make_executor", "make_transport"):
             factory = getattr(self, name)

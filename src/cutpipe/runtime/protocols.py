@@ -12,7 +12,9 @@ other, or about the schedule beyond the instruction in hand, so either can be re
   (batched ``P2POp``s, its own streams) would implement the same five calls.
 
 ``RunnerOptions(make_executor=..., make_transport=...)`` plugs one in: each is called once per
-runner with the context below. docs/architecture.md shows the whole picture.
+runner with the context below. A third, smaller seam is the **gradient reducer**
+(``RunnerOptions(reducer=...)``), which data parallelism implements (``cutpipe.parallel``).
+docs/architecture.md shows the whole picture.
 """
 
 from __future__ import annotations
@@ -25,11 +27,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cutpipe.runtime.heartbeat import Progress
+from cutpipe.runtime.failure.heartbeat import Progress
 from cutpipe.runtime.program import Instruction, MessageKey, Parcel, RankProgram
 from cutpipe.schedule.schedule import Schedule
 
 Value = tuple[torch.Tensor, ...]
+
+
+class GradientReducer(Protocol):
+    """Averages the gradients of this rank's stages over their data-parallel replicas."""
+
+    def stage_done(self, stage: int, parameters: Sequence[nn.Parameter]) -> None:
+        """``stage``'s gradients for this step are complete: start reducing them."""
+        ...
+
+    def finish(self) -> None:
+        """Wait for every reduction started this step and leave the averages in ``.grad``."""
+        ...
 
 
 class Executor(Protocol):
@@ -121,8 +135,8 @@ class TransportContext:
 
 def default_executor(context: ExecutorContext) -> Executor:
     """The stage executor, or the emulated one when the options ask for emulation."""
-    from cutpipe.runtime.emulate import EmulatedExecutor
-    from cutpipe.runtime.executor import StageExecutor
+    from cutpipe.runtime.compute.emulation import EmulatedExecutor
+    from cutpipe.runtime.compute.executor import StageExecutor
 
     options = context.options
     if options.emulate is not None:
@@ -137,6 +151,6 @@ def default_executor(context: ExecutorContext) -> Executor:
 
 def default_transport(context: TransportContext) -> Transport:
     """Point-to-point transfers over torch.distributed (gloo or NCCL)."""
-    from cutpipe.runtime.comm import Mailbox
+    from cutpipe.runtime.transport.mailbox import Mailbox
 
     return Mailbox.open(context)

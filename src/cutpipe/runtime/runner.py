@@ -18,7 +18,7 @@ process group, the modules match this rank's stages, the batch splits into the m
 
 The runner only walks the program: the executor runs each op and the transport moves its values
 (``cutpipe.runtime.protocols``), the collectives it needs go through one small interface
-(``cutpipe.runtime.collectives``), and how it runs is one ``RunnerOptions`` value.
+(``cutpipe.runtime.transport.collectives``), and how it runs is one ``RunnerOptions`` value.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cutpipe.runtime.agreement import (
+from cutpipe.runtime.batch import batch_size, split
+from cutpipe.runtime.failure.agreement import (
     FAILED_FIELD,
     STEP_FIELDS,
     agree_on_setup,
@@ -41,18 +42,8 @@ from cutpipe.runtime.agreement import (
     failed_ranks,
     step_word,
 )
-from cutpipe.runtime.batch import batch_size, split
-from cutpipe.runtime.collectives import Alone, Collectives
-from cutpipe.runtime.comm import HEADER_LENGTH, PeerLost, encode_header, meta_of
-from cutpipe.runtime.guard import Guard, PipelineError
-from cutpipe.runtime.heartbeat import Progress
-from cutpipe.runtime.modules import (
-    Split,
-    named_parameters_of,
-    sequence_blocks,
-    split_module,
-    state_dict_of,
-)
+from cutpipe.runtime.failure.guard import Guard, PipelineError
+from cutpipe.runtime.failure.heartbeat import Progress
 from cutpipe.runtime.options import RunnerOptions
 from cutpipe.runtime.program import Instruction, Pair, RankProgram, halves
 from cutpipe.runtime.protocols import (
@@ -64,7 +55,16 @@ from cutpipe.runtime.protocols import (
     default_executor,
     default_transport,
 )
+from cutpipe.runtime.stages import (
+    Split,
+    named_parameters_of,
+    sequence_blocks,
+    split_module,
+    state_dict_of,
+)
 from cutpipe.runtime.step_boundary import StepBoundary, Verdict
+from cutpipe.runtime.transport.collectives import Alone, Collectives
+from cutpipe.runtime.transport.mailbox import HEADER_LENGTH, PeerLost, encode_header, meta_of
 from cutpipe.schedule.codes import B_CODE, BW_CODE, F_CODE, W_CODE
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.timeline import Timeline
@@ -103,7 +103,7 @@ def _pipeline_group(
         return None, 0, 1, [0]
     raise ValueError(
         "torch.distributed is not initialized: start one process per rank (torchrun, or "
-        "cutpipe.runtime.launch) and call torch.distributed.init_process_group first"
+        "cutpipe.launch.local) and call torch.distributed.init_process_group first"
     )
 
 
@@ -286,7 +286,7 @@ class PipelineRunner:
         ``split``: the block names where stages 1, 2, ... begin, or blocks per stage (default:
         as even as possible). Every parameter keeps its name in the model, so
         ``named_parameters()`` and ``state_dict()`` match the unsplit model's
-        (``cutpipe.runtime.modules`` has the whole contract)."""
+        (``cutpipe.runtime.stages`` has the whole contract)."""
         held = cls._held_stages(schedule, options.get("group"))
         stages = split_module(
             model, split, blocks=blocks, num_stages=schedule.num_stages, held=held

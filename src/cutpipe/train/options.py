@@ -14,7 +14,7 @@ from cutpipe.sim.steps import BOUNDARIES
 
 DTYPES = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
-#: data parallelism next to the pipeline (cutpipe.runtime.data_parallel, cutpipe.runtime.fsdp)
+#: data parallelism next to the pipeline (cutpipe.parallel.data_parallel, cutpipe.parallel.fsdp)
 DP_MODES = ("allreduce", "zero1", "fsdp")
 
 

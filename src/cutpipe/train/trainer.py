@@ -96,7 +96,7 @@ def balanced_sizes(spec: Any, schedule: Any) -> list[int]:
     The planner prices each block from the model's sizes on a nominal GPU; only the ratios
     matter here, and they depend on the model, not on the machine.
     """
-    from cutpipe.plan.costs import gpu, model_items, p2p_time, w_memory
+    from cutpipe.plan.costs.model import gpu, model_items, p2p_time, w_memory
     from cutpipe.plan.partition import balance
 
     hardware = gpu("H100")
@@ -118,12 +118,12 @@ class Trainer:
         from cutpipe.data import TokenLoader, load_tokens, unigram_entropy
         from cutpipe.model_config import load_model_config
         from cutpipe.models.transformer import LanguageModelLoss, Layer, language_model
+        from cutpipe.parallel.mesh import build_mesh
         from cutpipe.runtime import PipelineRunner
-        from cutpipe.runtime.flat import local
-        from cutpipe.runtime.mesh import build_mesh
-        from cutpipe.runtime.modules import Stage, split_module
-        from cutpipe.runtime.recompute import apply_recompute
-        from cutpipe.runtime.saved import SavedMeter
+        from cutpipe.runtime.compute.recompute import apply_recompute
+        from cutpipe.runtime.compute.saved import SavedMeter
+        from cutpipe.runtime.stages import Stage, split_module
+        from cutpipe.runtime.transport.flat import local
         from cutpipe.train.optim import build_optimizer, mirror_copies, warmup_cosine
 
         self.options = options
@@ -157,7 +157,7 @@ class Trainer:
         self.fsdp = None
         reducer = None
         if options.dp > 1 and options.dp_mode == "fsdp":
-            from cutpipe.runtime.fsdp import FsdpReducer, shard_stages
+            from cutpipe.parallel.fsdp import FsdpReducer, shard_stages
 
             # before the runner and the optimizer: both must hold the sharded parameters
             shard_stages(stages, self.mesh.mesh["dp"])

@@ -1,0 +1,105 @@
+"""Start training workers the way people do: through torch's elastic agent.
+
+``cutpipe train --nproc N`` is ``torchrun --nproc-per-node N -m cutpipe train ...``: the agent
+(``torch.distributed.launcher.elastic_launch``) runs a c10d rendezvous, starts N workers that run
+the same command, watches them, and on a failure stops them all and, if ``--max-restarts``
+allows, starts them again (they resume from the latest checkpoint). A worker knows it is one by
+the environment the agent gives it, so the command runs unchanged under plain ``torchrun``, and
+``--nnodes`` with a shared ``--rdzv-endpoint`` joins several agents (machines) into one run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import uuid
+from dataclasses import dataclass
+
+#: Set by torchrun and the elastic agent in every worker they start.
+WORKER_VARIABLES = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "RANK", "WORLD_SIZE")
+
+
+def is_worker() -> bool:
+    """This process was started by torchrun or an elastic agent (and should train, not launch)."""
+    return all(name in os.environ for name in WORKER_VARIABLES)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How many workers, on how many machines, meeting where, restarted how often."""
+
+    nproc: int
+    nnodes: int = 1
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    max_restarts: int = 0
+    timeout: float | None = None
+
+
+class LaunchFailed(RuntimeError):
+    """The workers failed (after any restarts) or ran out of time; the message says which."""
+
+
+def _failure_summary(error: BaseException) -> str:
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return str(error)
+    lines = []
+    for rank, failure in sorted(failures.items()):
+        message = getattr(failure, "message", "") or ""
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        first = str(message).strip().splitlines()[-1:] if message else []
+        code = getattr(failure, "exitcode", None)
+        ending = f"exit code {code}" if code is None or code >= 0 else signal.Signals(-code).name
+        lines.append(f"rank {rank}: {ending}" + (f": {first[0]}" if first else ""))
+    return "; ".join(lines)
+
+
+def run_workers(arguments: list[str], plan: Launch) -> None:
+    """Run ``python -m cutpipe <arguments>`` on ``plan.nproc`` workers; raise ``LaunchFailed``."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    standalone = plan.rdzv_endpoint is None
+    if standalone and plan.nnodes > 1:
+        raise ValueError(
+            f"--nnodes {plan.nnodes} needs --rdzv-endpoint HOST:PORT shared by every node"
+        )
+    config = LaunchConfig(
+        min_nodes=plan.nnodes,
+        max_nodes=plan.nnodes,
+        nproc_per_node=plan.nproc,
+        run_id=plan.rdzv_id or str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0" if standalone else plan.rdzv_endpoint,
+        max_restarts=plan.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    timer = None
+    timed_out = threading.Event()
+    if plan.timeout is not None:
+
+        def expire() -> None:
+            timed_out.set()
+            os.kill(os.getpid(), signal.SIGTERM)  # the agent stops its workers on SIGTERM
+
+        timer = threading.Timer(plan.timeout, expire)
+        timer.daemon = True
+        timer.start()
+    try:
+        elastic_launch(config, sys.executable)("-m", "cutpipe", *arguments)
+    except ChildFailedError as error:
+        raise LaunchFailed(_failure_summary(error)) from None
+    except BaseException as error:
+        if timed_out.is_set():
+            raise LaunchFailed(f"timed out after {plan.timeout:g} s") from None
+        if type(error).__name__ == "SignalException":
+            raise LaunchFailed(f"stopped by {error}") from None
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
