@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 from cutpipe import generate
 from cutpipe.models import LanguageModelLoss, language_model, mlp
 from cutpipe.parallel.fsdp import FsdpReducer, shard_stages
-from cutpipe.runtime import PipelineRunner, stage_sizes
-from cutpipe.runtime.stages import sequence_blocks, split_module
+from cutpipe.runtime import PipelineRunner, even_split
+from cutpipe.runtime.stages import cut_module, sequence_blocks
 from cutpipe.spec import ModelSpec
 
 WIDTH, PER_MICROBATCH, LR = 16, 3, 1e-3
@@ -135,9 +135,9 @@ def _case(mesh, case: Case, steps: int) -> dict:
     model, loss_fn = _model(kind)
     twin = copy.deepcopy(model)
     blocks = sequence_blocks(model)
-    stages = split_module(
+    stages = cut_module(
         model,
-        stage_sizes(len(blocks), schedule.num_stages),
+        even_split(len(blocks), schedule.num_stages),
         blocks=blocks,
         held=schedule.placement.stages_of(pp_rank),
     )

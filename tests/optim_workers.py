@@ -192,7 +192,7 @@ def accumulation(rank: int, world: int, names: list[str], m: int, steps: int) ->
 def clipping(rank: int, world: int) -> dict:
     """clip_grad_norm over the world on hand-made gradients: mirrored copies counted once,
     non-finite norms on every rank, and every rank raising when asked to."""
-    from cutpipe.train.optim import clip_grad_norm
+    from cutpipe.runtime.clipping import clip_grad_norm
 
     def parameters(poison: float | None = None) -> list[nn.Parameter]:
         made = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, 2))]
@@ -233,7 +233,7 @@ def _sharded_clipping(world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from cutpipe.train.optim import clip_grad_norm
+    from cutpipe.runtime.clipping import clip_grad_norm
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     alone, _ = dist.new_subgroups(1)  # this rank is its whole pipeline

@@ -18,7 +18,7 @@ from cutpipe import generate
 from cutpipe.launch import run
 from cutpipe.models import LanguageModelLoss, language_model, mlp
 from cutpipe.runtime import PipelineRunner
-from cutpipe.runtime.stages import Chain, Stage, default_blocks, split_module
+from cutpipe.runtime.stages import Chain, Stage, cut_module, default_blocks
 
 LAYERS = [f"layers.{i}" for i in range(DENSE.layers)]
 SPLITS = [None, ["layers.0"], ["layers.2", "layers.5", "head"], [1, 6, 1], [2, 2, 2, 2]]
@@ -56,7 +56,7 @@ def test_a_language_model_has_meaningful_names_and_blocks():
 @pytest.mark.parametrize("split", SPLITS, ids=str)
 def test_stages_of_a_language_model_keep_its_names_and_compute_it(spec, split):
     model = language_model(spec, seed=1)
-    stages = split_module(model, split, num_stages=None if split else 3)
+    stages = cut_module(model, split, num_stages=None if split else 3)
     check_names_kept(model, stages)
     tokens = torch.randint(0, spec.vocab, (2, spec.seq_len))
     with torch.no_grad():
@@ -92,7 +92,7 @@ DEEP = ["encoder.inner.0", "encoder.inner.1", "encoder.inner.2", "out"]
     ids=["even", "names", "counts", "deep"],
 )  # fmt: skip
 def test_stages_of_a_users_nested_module_keep_its_names(model, split, blocks, groups):
-    stages = split_module(model, split, blocks=blocks, num_stages=3 if split is None else None)
+    stages = cut_module(model, split, blocks=blocks, num_stages=3 if split is None else None)
     assert [list(stage.block_names) for stage in stages.values()] == groups
     check_names_kept(model, stages)
     x = torch.randn(5, 4)
@@ -105,9 +105,9 @@ def test_stages_of_a_users_nested_module_keep_its_names(model, split, blocks, gr
 def test_any_cut_of_a_users_module_keeps_its_names_and_output(starts):
     model = Tower(seed=3)
     blocks = default_blocks(model)
-    by_name = split_module(model, [blocks[i] for i in sorted(starts)])
+    by_name = cut_module(model, [blocks[i] for i in sorted(starts)])
     counts = [b - a for a, b in pairwise([0, *sorted(starts), len(blocks)])]
-    by_count = split_module(model, counts)
+    by_count = cut_module(model, counts)
     assert [s.block_names for s in by_name.values()] == [s.block_names for s in by_count.values()]
     assert len(by_name) == len(starts) + 1
     check_names_kept(model, by_name)
@@ -126,7 +126,7 @@ def test_from_sequential_keeps_the_sequentials_names():
     runner = PipelineRunner.from_sequential(generate("dualpipev", 1, 2), language)
     assert runner.modules[1].block_names == ("layers.3", "layers.4", "layers.5", "head")
     assert set(runner.state_dict()) == set(language.state_dict())
-    with pytest.raises(ValueError, match="6 layers cannot fill 8 stages"):
+    with pytest.raises(ValueError, match="6 blocks cannot fill 8 stages"):
         PipelineRunner.from_sequential(generate("zbv", 4, 8), model)
 
 
@@ -212,11 +212,11 @@ def tied() -> nn.Module:
 )  # fmt: skip
 def test_bad_blocks_and_splits_say_what_to_change(model, options, error, message):
     with pytest.raises(error, match=message):
-        split_module(model, **options)
+        cut_module(model, **options)
 
 
 def test_tied_weights_in_one_stage_are_fine():
-    stages = split_module(tied(), num_stages=1)
+    stages = cut_module(tied(), num_stages=1)
     assert "head.out.weight" in stages[0].state_dict()
 
 

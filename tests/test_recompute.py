@@ -20,6 +20,7 @@ from cutpipe.runtime.compute.deferral import WeightGradients, WeightSplitter
 from cutpipe.runtime.compute.recompute import apply_recompute, recompute_units
 from cutpipe.runtime.compute.saved import SavedMeter, slot_bytes
 from cutpipe.runtime.stages import Chain
+from cutpipe.sim.costs import RECOMPUTE_MODES
 from cutpipe.spec import ModelSpec
 
 DENSE = ModelSpec(
@@ -29,7 +30,7 @@ MOE = ModelSpec(
     name="moe", layers=4, hidden=64, heads=4, ffn=128, vocab=128, seq_len=64, dtype="fp32",
     experts=4, top_k=2, shared_experts=1, dense_layers=1, kv_heads=2,
 )  # fmt: skip
-MODES = ("none", "selective", "full")
+MODES = RECOMPUTE_MODES
 
 
 def transformer(spec: ModelSpec) -> Chain:

@@ -16,15 +16,14 @@ from torch import nn
 
 from cutpipe import generate
 from cutpipe.launch import run
-from cutpipe.runtime import PipelineRunner, stage_sizes
+from cutpipe.runtime import PipelineRunner, even_split
+from cutpipe.runtime.clipping import clip_grad_norm, mirror_copies
 from cutpipe.train.optim import (
     WarmupCosine,
     accumulate,
     build_optimizer,
-    clip_grad_norm,
     decay_groups,
     decays,
-    mirror_copies,
     warmup_cosine,
 )
 
@@ -333,7 +332,7 @@ def test_pipelined_training_follows_one_process(world, request):
             assert result["norms"] == pytest.approx(expected["norms"], rel=1e-5), case
             assert result["final_norms"] == pytest.approx(expected["final_norms"], rel=1e-5), case
             schedule = generate(result["name"], world, M)
-            sizes = stage_sizes(len(layers), schedule.num_stages)
+            sizes = even_split(len(layers), schedule.num_stages)
             for stage, parameters in result["stages"].items():
                 first = sum(sizes[:stage])
                 wanted = [p for layer in layers[first : first + sizes[stage]] for p in layer]

@@ -38,7 +38,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from cutpipe.spec import ModelSpec
+from cutpipe.spec import MlpSpec, ModelSpec, read_mapping
 
 #: Keys found in every Hugging Face decoder config and in no cutpipe file.
 HF_MARKERS = frozenset(
@@ -88,6 +88,35 @@ def load_model_config(
         return spec_from_hf_config(data, name or default or "model", max_seq_len, str(path))
     spec = ModelSpec.load(path)
     return _capped(spec if name is None else replace(spec, name=name), max_seq_len)
+
+
+#: Model families a training model file may name (``family:``); the default is a transformer.
+FAMILIES = ("transformer", "mlp")
+#: Names ``--model`` takes instead of a file.
+PRESETS = {"mlp": MlpSpec}
+
+
+def load_training_model(model: str | Path, max_seq_len: int | None = None) -> ModelSpec | MlpSpec:
+    """What ``cutpipe train --model`` trains: a preset (``mlp``), a model file whose ``family``
+    is ``mlp``, or a transformer (``load_model_config``)."""
+    if str(model) in PRESETS:
+        return PRESETS[str(model)]()
+    path = Path(model)
+    if not path.exists():
+        raise ValueError(
+            f"--model {model}: no such file or folder (or preset: {', '.join(PRESETS)})"
+        )
+    if path.is_file() and path.suffix.lower() in (".yaml", ".yml", ".json"):
+        data = read_mapping(path, "model")
+        family = data.get("family", "transformer")
+        if family not in FAMILIES:
+            raise ValueError(f"{path}: family must be one of {', '.join(FAMILIES)}, got {family!r}")
+        if family == "mlp":
+            data.setdefault("name", path.stem)
+            return MlpSpec.from_dict(data, str(path))
+        if "family" in data:
+            raise ValueError(f"{path}: drop 'family: transformer' (it is the default)")
+    return load_model_config(path, max_seq_len)
 
 
 def _read_json(path: Path) -> Any:

@@ -1,4 +1,5 @@
-"""What a model is: the sizes of a decoder-only transformer, read from YAML or JSON.
+"""What a model is: the sizes of a decoder-only transformer (or of the example MLP), read from
+YAML or JSON.
 
 Torch-free and at the bottom of the package, so that both the planner (``cutpipe.plan``, which
 derives costs from these sizes) and the torch models (``cutpipe.models``, which build layers of
@@ -120,6 +121,53 @@ class ModelSpec:
         data = read_mapping(path, "model")
         data.setdefault("name", Path(path).stem)
         return cls.from_dict(data, str(path))
+
+
+#: Numbers the example MLP may hold in its weights: 1 GiB of fp32.
+MAX_MLP_ELEMENTS = 2**28
+
+
+@dataclass(frozen=True)
+class MlpSpec:
+    """The example model: ``blocks`` of ``Linear(width, width)`` + tanh, trained to imitate a
+    teacher MLP of its shape on synthetic data (a quick look at a schedule running, nothing to
+    read).
+
+    A model file says ``family: mlp`` to mean this (examples/models/mlp.yaml); ``--model mlp``
+    is these defaults."""
+
+    name: str = "mlp"
+    blocks: int = 16
+    width: int = 128
+    microbatch_size: int = 8  # samples per microbatch
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"{name} must be a whole number >= 1, got {getattr(self, name)!r}"
+            for name in ("blocks", "width", "microbatch_size")
+            if isinstance(getattr(self, name), bool)
+            or not isinstance(getattr(self, name), int)
+            or getattr(self, name) < 1
+        ]
+        if not problems and self.blocks * self.width**2 > MAX_MLP_ELEMENTS:
+            problems.append(
+                f"{self.blocks} blocks of {self.width} x {self.width} hold "
+                f"{self.blocks * self.width**2:,} weights, over the limit of {MAX_MLP_ELEMENTS:,} "
+                "(1 GiB of fp32): use a smaller width or fewer blocks"
+            )
+        if problems:
+            raise ValueError(f"model {self.name!r}: " + "; ".join(problems))
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "model") -> MlpSpec:
+        data = {k: v for k, v in data.items() if k != "family"}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown fields {unknown}; known: family, {', '.join(known)}"
+            )
+        return cls(**data)
 
 
 def read_mapping(path: str | Path, what: str) -> dict:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cutpipe.arguments import Real, Whole
 from cutpipe.files import check_output
 from cutpipe.schedule.params import split_specs
 from cutpipe.schedule.registry import SCHEDULES, generate, schedule_info
@@ -23,46 +23,15 @@ MAX_MEMORY_GB = 1e6
 
 def whole(least: int = 1, most: int | None = None) -> Callable[[str], int]:
     """An argparse ``type``: a whole number in [least, most], refused before any work."""
-
-    def parse(text: str) -> int:
-        bounds = f">= {least}" if most is None else f"between {least} and {most:,}"
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"must be a whole number {bounds}, got {text!r}"
-            ) from None
-        if value < least or (most is not None and value > most):
-            raise argparse.ArgumentTypeError(f"must be a whole number {bounds}, got {text!r}")
-        return value
-
-    parse.__name__ = "whole number"
-    return parse
+    return Whole(least, most).argument_type()
 
 
 def real(
     least: float = 0.0, most: float | None = None, *, exclusive: bool = True, unit: str = ""
 ) -> Callable[[str], float]:
-    """An argparse ``type``: a finite number above ``least`` (or from it, if not ``exclusive``).
-
-    NaN and infinities are refused, as is anything above ``most``.
-    """
-
-    def parse(text: str) -> float:
-        low = f"> {least:g}" if exclusive else f">= {least:g}"
-        bounds = low if most is None else f"{low} and <= {most:g}"
-        wanted = f"must be a finite number {bounds}{f' ({unit})' if unit else ''}, got {text!r}"
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(wanted) from None
-        too_low = value <= least if exclusive else value < least
-        if not math.isfinite(value) or too_low or (most is not None and value > most):
-            raise argparse.ArgumentTypeError(wanted)
-        return value
-
-    parse.__name__ = "number"
-    return parse
+    """An argparse ``type``: a finite number above ``least`` (or from it, if not ``exclusive``),
+    at most ``most``; NaN and infinities are refused."""
+    return Real(least, most, exclusive, unit).argument_type()
 
 
 #: A count of something that must exist at least once: ranks, microbatches, steps, devices.

@@ -14,7 +14,6 @@ from cutpipe.cli.common import (
     schedule_names,
     whole,
 )
-from cutpipe.plan.costs.model import RECOMPUTE
 from cutpipe.plan.recommend.recommend import (
     DEFAULT_SCHEDULES,
     MAX_DEVICES,
@@ -26,6 +25,7 @@ from cutpipe.plan.recommend.recommend import (
     recommend,
 )
 from cutpipe.schedule.params import split_specs
+from cutpipe.sim.costs import RECOMPUTE_MODES
 
 
 def schedules_as_given(text: str) -> tuple[str, ...]:
@@ -119,7 +119,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
                         help="ZeRO stage over the data-parallel ranks (default: searched, 1 to 3)")  # fmt: skip
-    parser.add_argument("--recompute", choices=RECOMPUTE,
+    parser.add_argument("--recompute", choices=RECOMPUTE_MODES,
                         help="activation recompute (default: searched, least first)")  # fmt: skip
     parser.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
                         help="matmul precision: bf16 (default) or fp8 on GPUs that have it")  # fmt: skip

@@ -6,6 +6,10 @@ the same command, watches them, and on a failure stops them all and, if ``--max-
 allows, starts them again (they resume from the latest checkpoint). A worker knows it is one by
 the environment the agent gives it, so the command runs unchanged under plain ``torchrun``, and
 ``--nnodes`` with a shared ``--rdzv-endpoint`` joins several agents (machines) into one run.
+
+A signal to the launcher stops the workers and ends the launcher as the signal would
+(SIGTERM: exit status 143; Ctrl-C: 130); ``--timeout`` stops them with a message; and a worker
+dies with its launcher if the launcher is killed outright (``cutpipe.launch.orphans``).
 """
 
 from __future__ import annotations
@@ -58,6 +62,11 @@ def _failure_summary(error: BaseException) -> str:
     return "; ".join(lines)
 
 
+from cutpipe.launch.orphans import die_with_parent  # noqa: E402 - re-exported for workers
+
+__all__ = ["Launch", "LaunchFailed", "die_with_parent", "is_worker", "run_workers"]
+
+
 def run_workers(arguments: list[str], plan: Launch) -> None:
     """Run ``python -m cutpipe <arguments>`` on ``plan.nproc`` workers; raise ``LaunchFailed``."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -90,16 +99,46 @@ def run_workers(arguments: list[str], plan: Launch) -> None:
         timer = threading.Timer(plan.timeout, expire)
         timer.daemon = True
         timer.start()
+    handlers = _signal_handlers()  # the agent installs its own and leaves them behind
     try:
         elastic_launch(config, sys.executable)("-m", "cutpipe", *arguments)
     except ChildFailedError as error:
         raise LaunchFailed(_failure_summary(error)) from None
     except BaseException as error:
         if timed_out.is_set():
-            raise LaunchFailed(f"timed out after {plan.timeout:g} s") from None
-        if type(error).__name__ == "SignalException":
-            raise LaunchFailed(f"stopped by {error}") from None
+            raise LaunchFailed(_timed_out(plan)) from None
+        signum = getattr(error, "sigval", None)  # the agent's SignalException
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        if signum is not None:  # the workers are stopped: end as the signal would have
+            raise SystemExit(128 + int(signum)) from None
         raise
     finally:
         if timer is not None:
             timer.cancel()
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+def _timed_out(plan: Launch) -> str:
+    if plan.nnodes == 1:
+        ranks = ", ".join(str(r) for r in range(plan.nproc))
+        return f"timed out after {plan.timeout:g} s: ranks {ranks} were still running"
+    return (
+        f"timed out after {plan.timeout:g} s: this node's {plan.nproc} workers were still running"
+    )
+
+
+#: What the elastic agent handles while its workers run (torch's TORCHELASTIC_SIGNALS_TO_HANDLE).
+AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+def _signal_handlers() -> dict[int, object]:
+    """This process's handlers of the signals the agent takes over (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {
+        getattr(signal, name): signal.getsignal(getattr(signal, name))
+        for name in AGENT_SIGNALS
+        if hasattr(signal, name)
+    }

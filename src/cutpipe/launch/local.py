@@ -1,7 +1,8 @@
 """Start a process group on this machine and run a function on every rank.
 
-``cutpipe train --nproc N`` and the multi-process tests use this instead of ``torchrun
---standalone``: the parent process hosts the c10d store (so it outlives any worker, which the
+The multi-process tests, the benchmarks and ``cutpipe bench`` use this instead of ``torchrun
+--standalone`` (``cutpipe train`` starts its workers under torch's elastic agent:
+``cutpipe.launch.elastic``): the parent process hosts the c10d store (so it outlives any worker, which the
 failure guard relies on), starts N spawned workers that join a process group through it, and
 collects each rank's return value, exit code and the tail of its stderr. Nothing waits forever:
 
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cutpipe.launch.orphans import die_with_parent
 from cutpipe.runtime.failure.guard import leave_word
 
 
@@ -100,18 +102,9 @@ def _ending(outcome: Outcome) -> str:
     return f"exit code {outcome.exitcode}"
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this worker when the launcher dies, however it dies."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, log: str,
             fn: Callable, args: tuple, results: Any) -> None:  # fmt: skip
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     stderr = open(log, "w", buffering=1)  # noqa: SIM115 - lives as long as the process
     os.dup2(stderr.fileno(), 2)

@@ -109,7 +109,7 @@ class EmulatedMoEStage(PhasedStage):
                 Transfer(f"combine{index}", self._exchange(costs.exchange)),
             ]
         program.append(Compute("finish", lambda context, x: (x,)))
-        super().__init__(program=program, overlap=overlap)
+        super().__init__(nn.Module(), (), program=program, overlap=overlap)
         self.scale = scale
 
     @staticmethod

@@ -26,7 +26,6 @@ from torch import nn
 from cutpipe.models.transformer import Layer, MoE
 from cutpipe.parallel.exchange import AllToAll
 from cutpipe.parallel.expert_parallel import CountsPending, ExpertParallel
-from cutpipe.runtime import stage_sizes
 from cutpipe.runtime.compute.phased import (
     Compute,
     Context,
@@ -36,6 +35,7 @@ from cutpipe.runtime.compute.phased import (
     Transfer,
     Value,
 )
+from cutpipe.runtime.stages import cut_module, sequence_blocks
 
 
 def _plain(layer: nn.Module) -> Compute:
@@ -105,24 +105,29 @@ def moe_program(layers: Sequence[nn.Module]) -> list[Phase]:
 
 
 class MoEStage(PhasedStage):
-    """Consecutive layers of ``language_model``, run phase by phase (see the module)."""
+    """Consecutive blocks of ``language_model`` (under their names in it), run phase by phase
+    (see the module)."""
 
-    def __init__(self, *layers: nn.Module, overlap: bool = True) -> None:
-        super().__init__(*layers, program=moe_program(layers), overlap=overlap)
+    def __init__(self, model: nn.Module, blocks: Sequence[str], overlap: bool = True) -> None:
+        layers = [model.get_submodule(path) for path in blocks]
+        super().__init__(model, blocks, program=moe_program(layers), overlap=overlap)
 
 
 def moe_stages(
-    model: nn.Sequential,
+    model: nn.Module,
     num_stages: int,
     held: Iterable[int],
     partition: Sequence[int] | None = None,
     overlap: bool = True,
 ) -> dict[int, MoEStage]:
-    """The stages ``held`` of ``model`` cut by layer into ``num_stages`` (``partition[s]`` layers
-    in stage s; default as even as possible), for ``PipelineRunner(schedule, stages, ...)``."""
-    sizes = stage_sizes(len(model), num_stages, partition)
-    bounds = [sum(sizes[:s]) for s in range(num_stages + 1)]
-    layers = list(model)
-    return {
-        s: MoEStage(*layers[bounds[s] : bounds[s + 1]], overlap=overlap) for s in sorted(set(held))
-    }
+    """The stages ``held`` of ``model`` cut by block (``cut_module``) into ``num_stages``
+    (``partition[s]`` blocks in stage s; default as even as possible), for
+    ``PipelineRunner(schedule, stages, ...)``; every parameter keeps its name in ``model``."""
+
+    def make(whole: nn.Module, blocks: Sequence[str]) -> MoEStage:
+        return MoEStage(whole, blocks, overlap=overlap)
+
+    return cut_module(  # type: ignore[return-value]
+        model, partition, blocks=sequence_blocks(model), num_stages=num_stages, held=held,
+        make_stage=make,
+    )  # fmt: skip

@@ -29,11 +29,11 @@ from typing import Any
 from cutpipe.files import write_text
 from cutpipe.records import finite, listed, mapping, require_keys, whole
 from cutpipe.schedule.schedule import Schedule
+from cutpipe.sim.costs import RECOMPUTE_MODES
 
 FORMAT = "cutpipe.plan"
 VERSION = 1
 ZERO_STAGES = (0, 1, 2, 3)
-RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,9 @@ class PlanFile:
             )
         if self.zero not in ZERO_STAGES:
             problems.append(f"zero must be one of {ZERO_STAGES}, got {self.zero!r}")
-        if self.recompute not in RECOMPUTE:
+        if self.recompute not in RECOMPUTE_MODES:
             problems.append(
-                f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}"
+                f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
             )
         if isinstance(self.schedule, Schedule):
             if self.schedule.num_ranks != self.pp:

@@ -4,7 +4,8 @@ from cutpipe.runtime.failure.agreement import MismatchError
 from cutpipe.runtime.failure.guard import PipelineError
 from cutpipe.runtime.options import RunnerOptions
 from cutpipe.runtime.protocols import Executor, ExecutorContext, Transport, TransportContext
-from cutpipe.runtime.runner import PipelineRunner, stage_sizes
+from cutpipe.runtime.runner import PipelineRunner
+from cutpipe.runtime.stages import cut_module, even_split
 
 __all__ = [
     "Executor",
@@ -15,5 +16,6 @@ __all__ = [
     "RunnerOptions",
     "Transport",
     "TransportContext",
-    "stage_sizes",
+    "cut_module",
+    "even_split",
 ]

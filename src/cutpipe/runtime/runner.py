@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cutpipe.runtime.batch import batch_size, split
+from cutpipe.runtime.clipping import mirror_copies
 from cutpipe.runtime.failure.agreement import (
     FAILED_FIELD,
     STEP_FIELDS,
@@ -57,9 +58,9 @@ from cutpipe.runtime.protocols import (
 )
 from cutpipe.runtime.stages import (
     Split,
+    cut_module,
     named_parameters_of,
     sequence_blocks,
-    split_module,
     state_dict_of,
 )
 from cutpipe.runtime.step_boundary import StepBoundary, Verdict
@@ -70,24 +71,11 @@ from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.timeline import Timeline
 
 
-def stage_sizes(
-    num_layers: int, num_stages: int, partition: Sequence[int] | None = None
-) -> list[int]:
-    """Layers per stage: ``partition`` checked, or an even split (earlier stages take the rest)."""
-    if partition is None:
-        if num_layers < num_stages:
-            raise ValueError(
-                f"{num_layers} layers cannot fill {num_stages} stages: use a deeper model or fewer stages"
-            )
-        base, extra = divmod(num_layers, num_stages)
-        return [base + (s < extra) for s in range(num_stages)]
-    sizes = list(partition)
-    if len(sizes) != num_stages or sum(sizes) != num_layers or min(sizes) < 1:
-        raise ValueError(
-            f"partition {sizes} must give each of the {num_stages} stages at least one layer and "
-            f"{num_layers} layers in all"
-        )
-    return sizes
+def held_stages(schedule: Schedule, group: dist.ProcessGroup | None = None) -> tuple[int, ...]:
+    """The stages this process holds in ``group`` (default: the world); none if the schedule
+    has no such rank (the runner's constructor then says what does not fit)."""
+    rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+    return schedule.placement.stages_of(rank) if 0 <= rank < schedule.num_ranks else ()
 
 
 def _pipeline_group(
@@ -188,7 +176,8 @@ class PipelineRunner:
             step = self.progress.step
             return channel.start(word.to(device), f"the gradient check of step {step}")
 
-        return StepBoundary(options, self.parameters, start_gather, 2 if self._mirrored else 1)
+        copies = mirror_copies(self.schedule)
+        return StepBoundary(options, self.parameters, start_gather, copies)
 
     def _set_up_locally(
         self,
@@ -262,14 +251,13 @@ class PipelineRunner:
         partition: Sequence[int] | None = None,
         **options: Any,
     ) -> PipelineRunner:
-        """A runner for this rank's stages of ``model``: consecutive layers, ``partition[s]`` of
-        them in stage ``s`` (default: as even as possible). Layers may pass tuples along. The
-        stages keep the model's names (``"5.weight"``, as in ``model.state_dict()``)."""
-        names = sequence_blocks(model)
-        sizes = stage_sizes(len(names), schedule.num_stages, partition)
-        held = cls._held_stages(schedule, options.get("group"))
-        stages = split_module(model, sizes, blocks=names, held=held)
-        return cls(schedule, stages, loss_fn, **options)
+        """``from_module`` with the items of ``list(model)`` as its blocks: consecutive layers,
+        ``partition[s]`` of them in stage ``s`` (default: as even as possible). Layers may pass
+        tuples along. The stages keep the model's names (``"5.weight"``, as in
+        ``model.state_dict()``)."""
+        return cls.from_module(
+            schedule, model, loss_fn, partition, sequence_blocks(model), **options
+        )
 
     @classmethod
     def from_module(
@@ -287,18 +275,9 @@ class PipelineRunner:
         as even as possible). Every parameter keeps its name in the model, so
         ``named_parameters()`` and ``state_dict()`` match the unsplit model's
         (``cutpipe.runtime.stages`` has the whole contract)."""
-        held = cls._held_stages(schedule, options.get("group"))
-        stages = split_module(
-            model, split, blocks=blocks, num_stages=schedule.num_stages, held=held
-        )
+        held = held_stages(schedule, options.get("group"))
+        stages = cut_module(model, split, blocks=blocks, num_stages=schedule.num_stages, held=held)
         return cls(schedule, stages, loss_fn, **options)
-
-    @staticmethod
-    def _held_stages(schedule: Schedule, group: dist.ProcessGroup | None) -> tuple[int, ...]:
-        """The stages this process holds; none if the schedule has no such rank (the
-        constructor then says what does not fit)."""
-        rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
-        return schedule.placement.stages_of(rank) if 0 <= rank < schedule.num_ranks else ()
 
     # -- what this rank holds ---------------------------------------------------------------------
 

@@ -9,9 +9,11 @@ it holds no parameter or buffer outside them. Blocks are named by their paths in
   head``); a model that is itself an ``nn.Sequential`` is its own list of blocks (``0, 1, ...``);
 - or an explicit list of paths, in the order the model runs them.
 
-``split`` cuts the blocks into stages: either the names of the blocks at which stages 1, 2, ...
-begin (as torch's ``SplitPoint.BEGINNING``), or how many blocks each stage runs; without it the
-blocks are shared out as evenly as possible (earlier stages take the rest).
+``split`` says where to cut the blocks into stages: either the names of the blocks at which
+stages 1, 2, ... begin (as torch's ``SplitPoint.BEGINNING``), or how many blocks each stage runs;
+without it the blocks are shared out as evenly as possible (earlier stages take the rest:
+``even_split``). ``cut_module`` is the one way stages are cut from a model: the runner's
+``from_module`` (and ``from_sequential``), the trainer and the phased MoE stages all call it.
 
 A stage is a ``Stage``: containers mirroring the model's dotted paths that hold the very same
 block objects, so its ``named_parameters()`` and ``state_dict()`` keys are the unsplit model's
@@ -21,7 +23,7 @@ one of the model. The runner that runs them is in docs/runtime.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
@@ -140,6 +142,18 @@ def _check_covered(model: nn.Module, blocks: Sequence[nn.Module]) -> None:
         )
 
 
+def even_split(count: int, stages: int, what: str = "blocks") -> list[int]:
+    """``count`` blocks shared out over ``stages`` as evenly as possible, earlier stages taking
+    one more where they do not divide."""
+    if count < stages:
+        raise ValueError(
+            f"{count} {what} cannot fill {stages} stages: use fewer stages, a deeper model, or "
+            "finer blocks (blocks=[...] naming smaller modules)"
+        )
+    base, extra = divmod(count, stages)
+    return [base + (s < extra) for s in range(stages)]
+
+
 def stage_blocks(
     blocks: Sequence[str], split: Split = None, num_stages: int | None = None
 ) -> list[list[str]]:
@@ -154,13 +168,7 @@ def stage_blocks(
     if split is None:
         if num_stages is None:
             raise ValueError("give split=[...] or the number of stages")
-        if num_stages > count:
-            raise ValueError(
-                f"{count} blocks cannot fill {num_stages} stages: use fewer stages, a deeper "
-                "model, or finer blocks (blocks=[...] naming smaller modules)"
-            )
-        base, extra = divmod(count, num_stages)
-        sizes = [base + (s < extra) for s in range(num_stages)]
+        sizes = even_split(count, num_stages)
     else:
         points = list(split)
         if all(isinstance(p, str) for p in points):
@@ -252,15 +260,18 @@ class Stage(nn.Module):
         return value
 
 
-def split_module(
+def cut_module(
     model: nn.Module,
     split: Split = None,
     *,
     blocks: Iterable[str] | None = None,
     num_stages: int | None = None,
     held: Iterable[int] | None = None,
+    make_stage: Callable[[nn.Module, Sequence[str]], Stage] = Stage,
 ) -> dict[int, Stage]:
-    """The stages ``held`` (default: all) of ``model`` cut at ``split`` (see the module)."""
+    """The stages ``held`` (default: all) of ``model`` cut at ``split`` (see the module), each
+    built by ``make_stage(model, its block names)``: a ``Stage``, or a subclass that runs its
+    blocks otherwise (``cutpipe.parallel.moe_stage.MoEStage`` runs them as phases)."""
     names = check_blocks(model, blocks)
     groups = stage_blocks(names, split, num_stages)
     _check_untied(model, groups)
@@ -268,7 +279,7 @@ def split_module(
     outside = [s for s in wanted if not 0 <= s < len(groups)]
     if outside:
         raise ValueError(f"there is no stage {outside[0]}: the model is cut into {len(groups)}")
-    return {s: Stage(model, groups[s]) for s in wanted}
+    return {s: make_stage(model, groups[s]) for s in wanted}
 
 
 def _check_untied(model: nn.Module, groups: Sequence[Sequence[str]]) -> None:

@@ -31,10 +31,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from cutpipe.runtime.clipping import clip_coefficient, scale_gradients
 from cutpipe.runtime.options import RunnerOptions
-
-#: what torch's clip_grad_norm_ adds to the norm before dividing
-CLIP_EPSILON = 1e-6
 
 #: a gather that has started; calling it waits and gives every rank's word, one row per rank
 Gathered = Callable[[], torch.Tensor]
@@ -51,6 +49,7 @@ class Verdict:
         scale: what the gradients are multiplied by before the optimizer step (1.0: unclipped).
         loss: the step's loss over the whole pipeline (None: no rank computed one), which
             travels with the words so that no separate all-reduce ends the step.
+        max_norm: what the gradients are clipped to (None: not clipped).
     """
 
     norm: float
@@ -58,6 +57,7 @@ class Verdict:
     skip: bool
     scale: float
     loss: float | None = None
+    max_norm: float | None = None
 
     @property
     def as_stepped_optimistically(self) -> bool:
@@ -80,7 +80,7 @@ def gradient_word(
         raise TypeError(
             "the runner's clip_grad_norm and skip_nonfinite count plain gradients; these are "
             "DTensor shards (FSDP or tensor parallelism): clip with "
-            "cutpipe.train.optim.clip_grad_norm after runner.step instead"
+            "cutpipe.runtime.clipping.clip_grad_norm after runner.step instead"
         )
     squares = 0.0
     if grads:
@@ -93,27 +93,28 @@ def verdict(
 ) -> Verdict:
     """The decision every rank takes from the gathered words (one row per rank), each stage's
     squares counted once when every stage is stored ``copies`` times; the scale is torch's
-    ``clip_grad_norm_``'s: ``min(1, max_norm / (norm + 1e-6))``."""
+    ``clip_grad_norm_``'s (``cutpipe.runtime.clipping.clip_coefficient``)."""
     squares = float(words[:, 0].sum()) / copies
     norm = math.sqrt(squares) if squares >= 0 else math.nan
     finite = math.isfinite(norm)
     skip = skip_nonfinite and not finite
     scale = 1.0
     if clip_grad_norm is not None and not skip:
-        scale = clip_grad_norm / (norm + CLIP_EPSILON) if finite else math.nan
-        scale = min(scale, 1.0) if not math.isnan(scale) else scale
+        scale = clip_coefficient(norm, clip_grad_norm)
     loss = float(words[:, 1].sum()) if float(words[:, 2].sum()) > 0 else None
-    return Verdict(norm=norm, finite=finite, skip=skip, scale=scale, loss=loss)
+    return Verdict(
+        norm=norm, finite=finite, skip=skip, scale=scale, loss=loss, max_norm=clip_grad_norm
+    )
 
 
 def _apply(
     optimizer: torch.optim.Optimizer, parameters: Sequence[nn.Parameter], ruling: Verdict
 ) -> None:
-    """Scale the gradients and step, or skip; the gradients are gone afterwards either way."""
+    """Clip and step, or skip; the gradients are gone afterwards either way."""
     if not ruling.skip:
-        grads = [p.grad for p in parameters if p.grad is not None]
-        if ruling.scale != 1.0 and grads:
-            torch._foreach_mul_(grads, ruling.scale)
+        if ruling.scale != 1.0 and ruling.max_norm is not None:
+            norm = torch.tensor(ruling.norm, dtype=torch.float64)
+            scale_gradients(parameters, ruling.max_norm, norm)
         optimizer.step()
     for parameter in parameters:
         parameter.grad = None

@@ -21,6 +21,10 @@ PerStage = float | Sequence[float]
 #: The largest cost any field may take: sums over a schedule's million ops and the products
 #: of the metrics stay finite far below the float range (a cost of 1e308 would make them inf).
 MAX_COST = 1e15
+#: What activation recompute keeps, per layer: everything, the outputs of the expensive ops, or
+#: the layer's inputs only. The runtime runs these modes (``cutpipe.runtime.compute.recompute``)
+#: and the planner prices them (``cutpipe.plan.costs``): one list for both.
+RECOMPUTE_MODES = ("none", "selective", "full")
 #: The fields ``Costs.parse`` reads (``params`` is per stage only, given in Python).
 PARSED = ("f", "b", "w", "fb", "comm", "ep_f", "ep_b", "activation", "w_memory", "p2p_bytes",
           "ep_bytes")  # fmt: skip

@@ -7,6 +7,7 @@ per rank), so the pipeline's ranks can be seen side by side in Perfetto.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,9 @@ class ProgressLine:
             TimeRemainingColumn(),
         )  # fmt: skip
         self._progress.start()
-        title = f"{trainer.spec.name}, {trainer.schedule.name} on {trainer.world} ranks"
+        title = f"{trainer.task.name}, {trainer.schedule.name} on {trainer.world} ranks"
+        if options.emulate:
+            title = f"{trainer.schedule.name} on {trainer.world} ranks, emulated"
         if resumed:
             title += f" (resumed after step {resumed})"
         self._task = self._progress.add_task(
@@ -72,6 +75,8 @@ class ProgressLine:
 
     def update(self, record: Any) -> None:
         status = f"loss {record.loss:.4f}  {record.tokens_per_s:,.0f} tok/s"
+        if math.isnan(record.loss) and math.isnan(record.grad_norm):  # emulated: time only
+            status = f"step {record.step_time * 1e3:.1f} ms"
         if record.bubble is not None:
             status += f"  bubble {record.bubble:.1%}"
         self._progress.update(self._task, completed=record.step, status=status)

@@ -1,122 +1,318 @@
-"""``TrainOptions``: one checked value that says how a training run goes.
+"""``TrainOptions``: one checked value that says how a training run goes, declared once.
 
-``cutpipe train`` builds it from the command line, every worker process rebuilds the same value
-(under ``torchrun`` or the elastic agent each worker parses the same arguments), and
-``cutpipe.train.trainer.train`` reads nothing else. docs/training.md describes every field.
+Each option is one field of one group below (``cutpipe.arguments.option``: its kind, help and
+flag), and ``cutpipe train``'s parser is generated from these groups, so a new option is one
+field. ``cutpipe train`` builds the value from the command line, every worker process rebuilds
+the same value (under ``torchrun`` or the elastic agent each worker parses the same arguments),
+and ``cutpipe.train.trainer.train`` reads nothing else. In code, ``TrainOptions.build(model=...,
+schedule=..., steps=...)`` takes any field of any group by name. docs/training.md describes
+every option.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
+from cutpipe.arguments import (
+    Choice,
+    Custom,
+    ReadableFile,
+    Real,
+    Text,
+    Whole,
+    check_fields,
+    option,
+)
+from cutpipe.files import check_output
+from cutpipe.schedule.registry import SCHEDULES, schedule_info
+from cutpipe.sim.costs import RECOMPUTE_MODES, Costs
 from cutpipe.sim.steps import BOUNDARIES
 
 DTYPES = ("fp32", "bf16")
-RECOMPUTE = ("none", "selective", "full")
-#: data parallelism next to the pipeline (cutpipe.parallel.data_parallel, cutpipe.parallel.fsdp)
+#: data parallelism next to the pipeline (``cutpipe.parallel``)
 DP_MODES = ("allreduce", "zero1", "fsdp")
+BACKENDS = ("gloo", "nccl")
+#: Local processes ``train`` starts at most: more only oversubscribe the machine's cores.
+MAX_PROCESSES = 64
+
+
+def schedule_name(text: str) -> str:
+    """A schedule the registry knows, by name or PyTorch class name, possibly with parameters;
+    in registry form (``Interleaved1F1B:chunks=4`` -> ``interleaved:chunks=4``)."""
+    return schedule_info(text).spec
+
+
+def output_path(text: str) -> str:
+    """A file that can be written (its folder exists), checked before any work."""
+    return str(check_output(text))
+
+
+def step_range(text: str) -> tuple[int, int]:
+    first, sep, last = text.partition(":")
+    try:
+        pair = (int(first), int(last if sep else first))
+    except ValueError:
+        raise ValueError(f"expected A:B (steps), got {text!r}") from None
+    if pair[0] < 1 or pair[1] < pair[0]:
+        raise ValueError(f"expected 1 <= A <= B, got {text!r}")
+    return pair
+
+
+SOURCE = "schedule source"
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """the schedule and its step"""
+
+    schedule: str | None = option(
+        None, f"one of: {', '.join(SCHEDULES)} (or PyTorch's class name, e.g. ZBVZeroBubble), "
+        "with parameters after a colon, e.g. interleaved:chunks=4",
+        Custom(schedule_name, str), flags=("--schedule", "-s"), metavar="NAME",
+        exclusive=SOURCE, required_one=True,
+    )  # fmt: skip
+    schedule_file: str | None = option(
+        None, "a schedule file (.json from cutpipe schedule -o or tune -o, or a .csv of torch's) "
+        "for exactly the run's pipeline ranks", ReadableFile(), flags=("--from",),
+        exclusive=SOURCE,
+    )  # fmt: skip
+    plan: str | None = option(
+        None, "a plan file (cutpipe recommend -o or partition -o): its schedule, microbatches, "
+        "layout and stage partition", ReadableFile(), exclusive=SOURCE,
+    )  # fmt: skip
+    microbatches: int | None = option(
+        None, "microbatches per pipeline step (default: the schedule's least, at least 2 x ranks)",
+        Whole(1), flags=("--microbatches", "-m"),
+    )  # fmt: skip
+    step_boundary: str = option(
+        "sync", "sync: every rank waits for the global gradient norm before stepping; overlap: "
+        "each rank steps at once, a step that should have been clipped or skipped is redone",
+        Choice(BOUNDARIES),
+    )  # fmt: skip
+    skip_nonfinite: bool = option(
+        False, "skip a step whose gradients hold a NaN or infinity instead of stopping"
+    )
+    step_timeout: float | None = option(
+        60.0, "stop every rank when one completes no op for this long (seconds, at least 1)",
+        Real(1.0, exclusive=False, unit="seconds"), metavar="SECONDS",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """the model"""
+
+    model: str = option(
+        "mlp", "a cutpipe model file (YAML/JSON), a Hugging Face config.json, or mlp (the "
+        "example MLP on synthetic data)", Text(), metavar="FILE",
+    )  # fmt: skip
+    seq_len: int | None = option(None, "tokens per sequence (default: the model file's)", Whole(1))
+    seed: int = option(0, "seeds the weights and the order of the data", Whole(0, 2**63 - 1))
+    dtype: str = option("fp32", "bf16: autocast, fp32 master weights", Choice(DTYPES))
+    recompute: str = option("none", "activation recompute per layer", Choice(RECOMPUTE_MODES))
+    aux_weight: float = option(
+        0.01, "weight of the MoE load-balancing loss", Real(0.0, exclusive=False)
+    )
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """the data"""
+
+    data: tuple[str, ...] = option(
+        (), "text files, folders or a prepared token file (default: Python's standard library)",
+        Text(), metavar="PATH", many=True,
+    )  # fmt: skip
+    batch: int | None = option(
+        None, "samples per pipeline step (default: the model's microbatch size x microbatches x "
+        "data-parallel replicas)", Whole(1),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """the optimizer (AdamW) and its learning rate"""
+
+    steps: int = option(10, "optimizer steps", Whole(1))
+    lr: float = option(3e-3, "peak learning rate", Real(0.0))
+    warmup: int | None = option(
+        None, "warm-up steps (default: 5% of --steps, at least 1)", Whole(0, 10**9)
+    )
+    min_lr_ratio: float = option(
+        0.1, "cosine decay ends at this fraction of --lr", Real(0.0, 1.0, exclusive=False)
+    )
+    weight_decay: float = option(0.1, "AdamW weight decay", Real(0.0, exclusive=False))
+    clip: float | None = option(1.0, "clip the global gradient norm to this", Real(0.0))
+    grad_accum: int = option(1, "pipeline steps per optimizer step", Whole(1))
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """parallelism beside the pipeline"""
+
+    dp: int = option(
+        1, "data-parallel replicas: the processes form pipelines of (nproc x nnodes) / dp ranks",
+        Whole(1, 10**4),
+    )  # fmt: skip
+    dp_mode: str = option(
+        "allreduce", "allreduce: every replica keeps all optimizer state; zero1: optimizer "
+        "state sharded over the replicas; fsdp: parameters, gradients and optimizer state "
+        "sharded (FSDP2)", Choice(DP_MODES),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """checkpoints"""
+
+    checkpoint_dir: str | None = option(
+        None, "save checkpoints here (DCP, asynchronous)", Text(), metavar="DIR"
+    )
+    checkpoint_every: int = option(
+        0, "steps between checkpoints (default: only after the last step)", Whole(0, 10**9),
+        metavar="STEPS",
+    )  # fmt: skip
+    keep: int = option(2, "complete checkpoints kept", Whole(1))
+    resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir")
+
+
+@dataclass(frozen=True)
+class LoggingOptions:
+    """what a run reports"""
+
+    log: str | None = option(
+        None, "write metrics as JSON lines", Custom(output_path, str), metavar="FILE"
+    )
+    trace: str | None = option(
+        None, "write the last step's measured timeline as JSON (for cutpipe draw)",
+        Custom(output_path, str), metavar="FILE",
+    )  # fmt: skip
+    profile_steps: tuple[int, int] | None = option(
+        None, "torch.profiler over steps A..B", Custom(step_range, tuple), metavar="A:B"
+    )
+    profile_dir: str = option("profile", "where profiler traces go", Text(), metavar="DIR")
+    quiet: bool = option(False, "no progress line")
+
+
+@dataclass(frozen=True)
+class EmulationOptions:
+    """time emulation: every op sleeps for its cost instead of computing"""
+
+    emulate: bool = option(
+        False, "sleep for each op's cost instead of computing, and print the measured step "
+        "beside the simulated one",
+    )  # fmt: skip
+    costs: Costs | None = option(
+        None, "per-stage costs for --emulate (default F=B=W=1)", Custom(Costs.parse, Costs),
+        metavar="K=V,...",
+    )  # fmt: skip
+    time_unit: float = option(0.02, "seconds per cost unit with --emulate", Real(0.0))
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """starting the workers"""
+
+    nproc: int | None = option(
+        None, f"processes on this machine (at most {MAX_PROCESSES}); under torchrun, torchrun's "
+        "own", Whole(1, MAX_PROCESSES), flags=("--nproc", "-n"),
+    )  # fmt: skip
+    nnodes: int = option(1, "machines (agents) in the run", Whole(1, 10**4))
+    rdzv_endpoint: str | None = option(
+        None, "c10d rendezvous shared by every node", Text(), metavar="HOST:PORT"
+    )
+    rdzv_id: str | None = option(None, "run id shared by every node", Text(), metavar="ID")
+    max_restarts: int = option(
+        0, "restart the workers this often after a failure (they resume from the latest "
+        "checkpoint)", Whole(0, 1000),
+    )  # fmt: skip
+    timeout: float | None = option(
+        None, "stop every process after this long (seconds; default: no limit)",
+        Real(0.0, unit="seconds"), metavar="SECONDS",
+    )  # fmt: skip
+    backend: str = option(
+        "gloo", "torch.distributed backend: gloo (CPU) or nccl (one GPU per rank)",
+        Choice(BACKENDS),
+    )  # fmt: skip
+
+
+#: The groups, by the names ``TrainOptions`` holds them under (none is also an option's name).
+GROUPS = {
+    "pipeline": ScheduleOptions,
+    "run": ModelOptions,
+    "inputs": DataOptions,
+    "optimizer": OptimizerOptions,
+    "parallel": ParallelOptions,
+    "checkpoints": CheckpointOptions,
+    "logging": LoggingOptions,
+    "emulation": EmulationOptions,
+    "launch": LaunchOptions,
+}
 
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """Attributes:
-    model: a cutpipe model file (YAML/JSON) or a Hugging Face ``config.json``.
-    schedule: a schedule name (``cutpipe.generate``'s), with parameters (``interleaved:chunks=4``),
-        or the path of a schedule file (``.json`` or ``.csv``, see ``cutpipe.schedule.fileformat``).
-    microbatches: per optimizer step and accumulation round; None: at least 2 x ranks.
-    batch: sequences per accumulation round (split into the microbatches).
-    seq_len: tokens per sequence; None: the model file's.
-    data: text files, folders or a prepared token file; empty: the standard library's sources.
-    grad_accum: pipeline steps whose gradients one optimizer step averages.
-    dtype: "bf16" runs the forwards under autocast with fp32 master weights.
-    recompute: per layer: keep every activation, recompute the cheap ones, or recompute all.
-    checkpoint_every: steps between checkpoints (0: only the last step, with a directory).
-    resume: continue from the latest complete checkpoint in ``checkpoint_dir``.
-    profile_steps: (first, last) step, 1-based and inclusive, traced with torch.profiler.
-    dp: data-parallel replicas: the processes form a (pipeline, dp) mesh, each pipeline trains
-        on its share of every batch and the runner averages the gradients over the replicas.
-    dp_mode: "allreduce" (every replica keeps all optimizer state), "zero1" (optimizer state
-        sharded over the replicas) or "fsdp" (parameters sharded too, FSDP2).
-    step_boundary: "sync" (every rank waits for the global gradient norm before stepping) or
-        "overlap" (each rank steps at once; a step that should have been clipped or skipped is
-        rolled back and redone: ``cutpipe.runtime.step_boundary``).
-    skip_nonfinite: skip an optimizer step whose gradients hold a NaN or infinity instead of
-        stopping the run.
-    """
+    """Every option of a run, by group; ``options.steps`` reads any option by its name."""
 
-    model: str
-    schedule: str
-    steps: int = 300
-    microbatches: int | None = None
-    batch: int | None = None
-    seq_len: int | None = None
-    data: tuple[str, ...] = ()
-    seed: int = 0
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup: int | None = None
-    weight_decay: float = 0.1
-    clip: float | None = 1.0
-    grad_accum: int = 1
-    dtype: str = "fp32"
-    recompute: str = "none"
-    aux_weight: float = 0.01
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    keep: int = 2
-    resume: bool = False
-    log: str | None = None
-    profile_steps: tuple[int, int] | None = None
-    profile_dir: str = "profile"
-    step_timeout: float | None = 60.0
-    backend: str = "gloo"
-    quiet: bool = False
-    dp: int = 1
-    dp_mode: str = "allreduce"
-    step_boundary: str = "sync"
-    skip_nonfinite: bool = False
+    pipeline: ScheduleOptions = field(default_factory=ScheduleOptions)
+    run: ModelOptions = field(default_factory=ModelOptions)
+    inputs: DataOptions = field(default_factory=DataOptions)
+    optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
+    checkpoints: CheckpointOptions = field(default_factory=CheckpointOptions)
+    logging: LoggingOptions = field(default_factory=LoggingOptions)
+    emulation: EmulationOptions = field(default_factory=EmulationOptions)
+    launch: LaunchOptions = field(default_factory=LaunchOptions)
 
     def __post_init__(self) -> None:
+        problems = [p for name in GROUPS for p in check_fields(getattr(self, name))]
+        if problems:
+            raise ValueError("; ".join(problems))
+        problems = self._conflicts()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @classmethod
+    def build(cls, **settings: Any) -> TrainOptions:
+        """Options from any fields of any groups, by name (the rest at their defaults)."""
+        groups: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
+        owner = {f.name: name for name, group in GROUPS.items() for f in dataclasses.fields(group)}
+        for key, value in settings.items():
+            if key not in owner:
+                raise TypeError(f"TrainOptions has no option {key!r}")
+            groups[owner[key]][key] = tuple(value) if key == "data" else value
+        return cls(**{name: GROUPS[name](**groups[name]) for name in GROUPS})
+
+    def replace(self, **settings: Any) -> TrainOptions:
+        """These options with some fields (of any groups) changed."""
+        current = {
+            f.name: getattr(getattr(self, name), f.name)
+            for name, group in GROUPS.items()
+            for f in dataclasses.fields(group)
+        }
+        return self.build(**{**current, **settings})
+
+    def __getattr__(self, name: str) -> Any:
+        # any option by its name, wherever its group (only called for names not found)
+        for group in GROUPS:
+            values = self.__dict__.get(group)
+            if values is not None and name in values.__dataclass_fields__:
+                return getattr(values, name)
+        raise AttributeError(f"TrainOptions has no option {name!r}")
+
+    def _conflicts(self) -> list[str]:
+        """What options say that cannot hold together."""
         problems = []
-        for name in ("steps", "grad_accum", "keep"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                problems.append(f"{name} must be a whole number >= 1, got {value!r}")
-        for name in ("microbatches", "batch", "seq_len", "warmup"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < (name != "warmup")):
-                problems.append(f"{name} must be a whole number >= 1, got {value!r}")
-        for name, low in (("lr", 0.0), ("weight_decay", -1.0), ("aux_weight", -1.0)):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > low):
-                problems.append(f"{name} must be a finite number > {max(low, 0)}, got {value!r}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            problems.append(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}")
-        if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
-            problems.append(f"clip must be a finite number > 0 (or None), got {self.clip!r}")
         if self.warmup is not None and self.warmup > self.steps:
             problems.append(f"warmup {self.warmup} is longer than the {self.steps} steps")
-        if self.dtype not in DTYPES:
-            problems.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.recompute not in RECOMPUTE:
-            problems.append(
-                f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}"
-            )
-        if not isinstance(self.dp, int) or self.dp < 1:
-            problems.append(f"dp must be a whole number >= 1, got {self.dp!r}")
-        if self.dp_mode not in DP_MODES:
-            problems.append(f"dp_mode must be one of {', '.join(DP_MODES)}, got {self.dp_mode!r}")
         if self.dp_mode == "zero1" and self.checkpoint_dir:
             problems.append(
                 "zero1 shards the optimizer state in a form DCP does not save yet: use "
                 "--dp-mode allreduce or fsdp with --checkpoint-dir"
             )
-        if self.step_boundary not in BOUNDARIES:
-            problems.append(
-                f"step_boundary must be one of {', '.join(BOUNDARIES)}, got {self.step_boundary!r}"
-            )
-        elif self.runner_steps and self.grad_accum > 1:
+        if self.runner_steps and self.grad_accum > 1:
             problems.append(
                 "--step-boundary overlap and --skip-nonfinite step the optimizer after each "
                 "pipeline step: use --grad-accum 1 (or more microbatches)"
@@ -126,8 +322,6 @@ class TrainOptions:
                 "--step-boundary overlap and --skip-nonfinite undo a step from copies of plain "
                 "parameters and optimizer state: use --dp-mode allreduce"
             )
-        if self.checkpoint_every < 0:
-            problems.append(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             problems.append("checkpoints need a directory: give checkpoint_dir (--checkpoint-dir)")
         if self.profile_steps is not None:
@@ -136,8 +330,22 @@ class TrainOptions:
                 problems.append(
                     f"profile_steps {first}:{last} must satisfy 1 <= A <= B <= steps ({self.steps})"
                 )
-        if problems:
-            raise ValueError("; ".join(problems))
+        if self.emulate and (self.checkpoint_dir or self.dp != 1 or self.grad_accum != 1):
+            problems.append(
+                "--emulate sleeps instead of computing: it trains nothing, so it takes no "
+                "--checkpoint-dir, --dp or --grad-accum"
+            )
+        if self.emulate and self.runner_steps:
+            problems.append(
+                "--emulate trains nothing: drop --step-boundary overlap and --skip-nonfinite"
+            )
+        return problems
+
+    @property
+    def schedule_source(self) -> str:
+        """The schedule a run uses: a name, or the path of a schedule file (``resolve_schedule``
+        reads it); with a plan, the plan's (``cutpipe.train.layout``)."""
+        return self.schedule_file or self.schedule or ""
 
     @property
     def runner_steps(self) -> bool:

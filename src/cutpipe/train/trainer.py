@@ -2,10 +2,13 @@
 
 Every process of the pipeline runs ``train(options)``; the process group comes from the
 environment that ``torchrun`` or the elastic agent sets (``cutpipe train --nproc N`` starts
-one). Each rank builds the whole model from the same seed, keeps only its stages (by the
-planner's balanced partition for the schedule), and takes the same batches from a loader whose
-order depends only on ``--seed``, so a run is reproducible bitwise in fp32 and a resumed run
-continues exactly where the checkpoint left it. docs/training.md walks through a run.
+one). What it trains (model, loss, batches) is the run's task (``cutpipe.train.tasks``), where
+its stages go is its layout (``cutpipe.train.layout``: a plan file's, or the defaults), and
+how they are parallelized is stated once (``cutpipe.train.parallelize``). Each rank builds the
+whole model from the same seed, keeps only its stages, and takes the same batches from a
+loader whose order depends only on ``--seed``, so a run is reproducible bitwise in fp32 and a
+resumed run continues exactly where the checkpoint left it. With ``--emulate`` the ops sleep
+for their costs instead (no model, no data). docs/training.md walks through a run.
 """
 
 from __future__ import annotations
@@ -15,14 +18,13 @@ import math
 import os
 import signal
 import time
-import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from cutpipe.train.options import TrainOptions, resolve_schedule
+from cutpipe.train.options import TrainOptions
 
 
 @dataclass
@@ -33,7 +35,7 @@ class StepRecord:
     loss: float
     lr: float
     grad_norm: float
-    tokens_per_s: float
+    tokens_per_s: float  # a regression sample counts as one token
     step_time: float
     bubble: float | None
     peak_activation_bytes: int
@@ -90,87 +92,53 @@ def _worker_store() -> dist.Store | None:
     return dist.PrefixStore(f"cutpipe/attempt_{attempt}", store)
 
 
-def balanced_sizes(spec: Any, schedule: Any) -> list[int]:
-    """Blocks (embedding, layers, head) per stage: the planner's balanced partition.
-
-    The planner prices each block from the model's sizes on a nominal GPU; only the ratios
-    matter here, and they depend on the model, not on the machine.
-    """
-    from cutpipe.plan.costs.model import gpu, model_items, p2p_time, w_memory
-    from cutpipe.plan.partition import balance
-
-    hardware = gpu("H100")
-    items = model_items(spec, hardware)
-    if len(items) < schedule.num_stages:
-        raise ValueError(
-            f"{spec.name} has {spec.layers} layers plus embedding and head, {len(items)} blocks, "
-            f"too few for the {schedule.num_stages} stages of {schedule.name}: use a model with "
-            "more layers or fewer ranks"
-        )
-    comm = p2p_time(spec, hardware, within_node=True)
-    return balance(schedule, items, comm, w_memory(spec)).sizes
-
-
 class Trainer:
     """The state of one worker's run, and the step that advances it."""
 
     def __init__(self, options: TrainOptions) -> None:
-        from cutpipe.data import TokenLoader, load_tokens, unigram_entropy
-        from cutpipe.model_config import load_model_config
-        from cutpipe.models.transformer import LanguageModelLoss, Layer, language_model
         from cutpipe.parallel.mesh import build_mesh
-        from cutpipe.runtime import PipelineRunner
-        from cutpipe.runtime.compute.recompute import apply_recompute
-        from cutpipe.runtime.compute.saved import SavedMeter
-        from cutpipe.runtime.stages import Stage, split_module
-        from cutpipe.runtime.transport.flat import local
-        from cutpipe.train.optim import build_optimizer, mirror_copies, warmup_cosine
+        from cutpipe.train.layout import run_layout, with_plan
+        from cutpipe.train.tasks import task_for
 
-        self.options = options
+        self.options = options = with_plan(options)
         self.rank, self.world, self.device = init_distributed(options.backend)
-        spec = load_model_config(options.model)
-        if options.seq_len is not None:
-            spec = replace(spec, seq_len=options.seq_len)
-        self.spec = spec
-        if self.world % options.dp:
-            raise ValueError(
-                f"{self.world} processes do not split into {options.dp} data-parallel replicas: "
-                f"start a multiple of {options.dp} processes"
-            )
-        pipeline_ranks = self.world // options.dp
-        self.mesh = build_mesh(pipeline_ranks, dp=options.dp, device_type=self.device.type)
-        self.schedule = resolve_schedule(options.schedule, pipeline_ranks, options.microbatches)
-        m = self.schedule.num_microbatches
-        self.batch = options.batch or spec.microbatch_size * m * options.dp
-        if self.batch % (m * options.dp):
-            raise ValueError(
-                f"batch {self.batch} does not split into {options.dp} replicas x {m} "
-                f"microbatches: use a multiple of {m * options.dp}"
-            )
-        self.sizes = balanced_sizes(spec, self.schedule)
-        model = language_model(spec, seed=options.seed).to(self.device)
-        # this rank's stages, under the unsplit model's names (as PipelineRunner.from_module cuts)
-        stages = split_module(
-            model, self.sizes, num_stages=self.schedule.num_stages,
+        self.task = task_for(options)
+        self.layout = run_layout(options, self.world, self.task)
+        self.schedule = self.layout.schedule
+        self.batch = self.layout.batch
+        self.mesh = build_mesh(
+            self.layout.pipeline_ranks, dp=options.dp, device_type=self.device.type
+        )
+        self._unchecked: StepRecord | None = None  # an overlapped step awaiting its verdict
+        self.step = 0  # optimizer steps done
+        self.checkpoints = None
+        if options.emulate:
+            self._emulate()
+            return
+        self._build()
+        self.loader = self.task.loader(self.batch, options.seed)
+        if options.checkpoint_dir:
+            from cutpipe.train.checkpoint import Checkpointer
+
+            self.checkpoints = Checkpointer(options.checkpoint_dir, keep=options.keep)
+
+    def _build(self) -> None:
+        """This rank's stages of the model, parallelized, their runner and optimizer."""
+        from cutpipe.runtime import PipelineRunner
+        from cutpipe.runtime.compute.saved import SavedMeter
+        from cutpipe.runtime.stages import Stage, cut_module
+        from cutpipe.runtime.transport.flat import local
+        from cutpipe.train.optim import build_optimizer, warmup_cosine
+        from cutpipe.train.parallelize import parallelize
+
+        options = self.options
+        model = self.task.build(options.seed).to(self.device)
+        # this rank's stages, under the unsplit model's names
+        stages = cut_module(
+            model, self.layout.stage_sizes, num_stages=self.schedule.num_stages,
             held=self.schedule.placement.stages_of(self.mesh.pp_rank),
         )  # fmt: skip
-        self.fsdp = None
-        reducer = None
-        if options.dp > 1 and options.dp_mode == "fsdp":
-            from cutpipe.parallel.fsdp import FsdpReducer, shard_stages
-
-            # before the runner and the optimizer: both must hold the sharded parameters
-            shard_stages(stages, self.mesh.mesh["dp"])
-            # FSDP2 warns that blocks return views (the layers' and the head's reshapes), where
-            # an in-place op would drop its pre-backward hook, which all-gathers resharded
-            # weights for the backward: here they stay whole through the step, and FsdpReducer
-            # runs the post-backward itself (the gradients are exact: tests/test_fsdp.py)
-            warnings.filterwarnings(
-                "ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor"
-            )
-            reducer = self.fsdp = FsdpReducer(stages)
-        elif options.dp > 1:
-            reducer = self.mesh.gradient_reducer()
+        self.parallel = parallelize(stages, options, self.mesh, self.task.recompute_unit())
         # the runner steps the optimizer when it must overlap or skip steps; then nothing may end
         # a step with a wait for every rank (a recorded timeline starts with a barrier)
         boundary = (
@@ -179,20 +147,15 @@ class Trainer:
             if options.runner_steps else {}
         )  # fmt: skip
         self.runner = PipelineRunner(
-            self.schedule, stages, LanguageModelLoss(options.aux_weight),
-            group=self.mesh.pp_group, record_timeline=options.step_boundary == "sync",
-            step_timeout=options.step_timeout, reducer=reducer, **boundary,
+            self.schedule, self.parallel.stages, self.task.loss(), group=self.mesh.pp_group,
+            record_timeline=options.step_boundary == "sync", step_timeout=options.step_timeout,
+            reducer=self.parallel.reducer, **boundary,
         )  # fmt: skip
-        self._unchecked: StepRecord | None = None  # an overlapped step awaiting its verdict
         # what this rank holds, under the unsplit model's names: what its checkpoints save (with
         # fsdp the blocks hold DTensor shards, which DCP saves and loads as they are)
         self.held = Stage(model, [b for s in sorted(stages) for b in stages[s].block_names])
         del model  # this rank keeps only its stages
-        self.recomputes = [
-            apply_recompute(module, options.recompute, units=Layer) for module in stages.values()
-        ]
         self.meter = SavedMeter(exclude=[local(p) for p in self.runner.parameters()])
-        self.copies = mirror_copies(self.schedule)
         self.optimizer = build_optimizer(
             self.runner.modules, lr=options.lr, weight_decay=options.weight_decay,
             betas=(0.9, 0.95), shard_over=self.mesh.dp_group if options.dp_mode == "zero1" else None,
@@ -200,15 +163,19 @@ class Trainer:
         self.scheduler = warmup_cosine(
             self.optimizer, options.warmup_steps, options.steps, options.min_lr_ratio
         )
-        self.tokens = load_tokens(options.data)
-        self.entropy = unigram_entropy(self.tokens)
-        self.loader = TokenLoader(self.tokens, spec.seq_len, self.batch, seed=options.seed)
-        self.step = 0  # optimizer steps done
-        self.checkpoints = None
-        if options.checkpoint_dir:
-            from cutpipe.train.checkpoint import Checkpointer
 
-            self.checkpoints = Checkpointer(options.checkpoint_dir, keep=options.keep)
+    def _emulate(self) -> None:
+        """A runner whose ops sleep for their costs: no model, no data, no optimizer."""
+        from cutpipe.runtime import PipelineRunner
+        from cutpipe.sim import Costs
+
+        options = self.options
+        self.parallel = None
+        self.optimizer = self.scheduler = None
+        self.runner = PipelineRunner(
+            self.schedule, None, emulate=options.costs or Costs(), time_unit=options.time_unit,
+            record_timeline=True, step_timeout=options.step_timeout, group=self.mesh.pp_group,
+        )  # fmt: skip
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -251,6 +218,8 @@ class Trainer:
     def train_step(self) -> list[StepRecord]:
         """One optimizer step over ``grad_accum`` pipeline steps; the records of the steps whose
         verdict is now known (this one; with ``step_boundary="overlap"`` the one before)."""
+        if self.options.emulate:
+            return [self._emulated_step()]
         if self.options.runner_steps:
             return self._runner_step()
         return [self._accumulated_step()]
@@ -274,12 +243,26 @@ class Trainer:
             loss = float(self.mesh.average(torch.tensor(loss, device=self.device)))
         return [replace(record, loss=loss, grad_norm=verdict.norm)]
 
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next batch, on this rank's device, this replica's share of it."""
+        inputs, targets = next(self.loader)
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        return self.mesh.shard(inputs), self.mesh.shard(targets)
+
+    def _record(self, seconds: float, **fields: Any) -> StepRecord:
+        """A step's record: throughput from its time, the rest as given."""
+        samples = self.batch * self.options.grad_accum
+        return StepRecord(
+            step=self.step, step_time=seconds,
+            tokens_per_s=samples * self.task.tokens_per_sample / seconds,
+            peak_activation_bytes=self.meter.peak if self.parallel is not None else 0,
+            **fields,
+        )  # fmt: skip
+
     def _runner_step(self) -> list[StepRecord]:
         """One pipeline step whose optimizer step the runner takes, at its step boundary."""
         start = time.perf_counter()
-        inputs, targets = next(self.loader)
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
-        inputs, targets = self.mesh.shard(inputs), self.mesh.shard(targets)
+        inputs, targets = self._batch()
         lr = self.optimizer.param_groups[0]["lr"]
         self.meter.reset()
         with self._autocast(), self.meter:
@@ -288,63 +271,63 @@ class Trainer:
         self.step += 1
         seconds = time.perf_counter() - start
         ready = self._checked() if self.options.step_boundary == "overlap" else []
-        self._unchecked = StepRecord(
-            step=self.step, loss=math.nan, lr=lr, grad_norm=math.nan,
-            tokens_per_s=self.batch * self.spec.seq_len / seconds, step_time=seconds,
-            bubble=None, peak_activation_bytes=self.meter.peak,
-        )  # fmt: skip
+        self._unchecked = self._record(
+            seconds, loss=math.nan, lr=lr, grad_norm=math.nan, bubble=None
+        )
         if self.options.step_boundary == "sync":
             ready = self._checked()
         return ready
 
     def _accumulated_step(self) -> StepRecord:
         """One optimizer step over ``grad_accum`` pipeline steps, clipped here."""
+        from cutpipe.runtime.clipping import clip_grad_norm, mirror_copies
         from cutpipe.sim import metrics
-        from cutpipe.train.optim import clip_grad_norm
+        from cutpipe.train.optim import accumulate
 
         options = self.options
         start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        losses, bubbles = [], []
+        fsdp = self.parallel.fsdp
+
+        def batches():
+            for _ in range(options.grad_accum):
+                batch = self._batch()
+                if fsdp is not None:
+                    # all-gathered now rather than by the first forwards, so that the meter
+                    # knows the unsharded parameters (new storage every step) are no activations
+                    fsdp.unshard()
+                    self.meter.also_exclude(self.runner.parameters())
+                yield batch
+
         self.meter.reset()
-        for _ in range(options.grad_accum):
-            inputs, targets = next(self.loader)
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
-            inputs, targets = self.mesh.shard(inputs), self.mesh.shard(targets)
-            if self.fsdp is not None:
-                # all-gathered now rather than by the first forwards, so that the meter knows
-                # the unsharded parameters (new storage every step) are no activations
-                self.fsdp.unshard()
-                self.meter.also_exclude(self.runner.parameters())
-            with self._autocast(), self.meter:
-                loss = self.runner.step(inputs, targets)
-            losses.append(float(self.mesh.average(loss)))
-            timeline = self.runner.timeline()
-            if timeline is not None:
-                bubbles.append(metrics(timeline).bubble_ratio)
-        if options.grad_accum > 1:
-            for parameter in self.runner.parameters():
-                if parameter.grad is not None:
-                    parameter.grad.div_(options.grad_accum)
+        with self._autocast(), self.meter:
+            loss = accumulate(self.runner, batches())
+        loss = float(self.mesh.average(loss))
+        timeline = self.runner.timeline()
         norm = clip_grad_norm(
-            self.runner.parameters(), options.clip, group=self.runner.group, copies=self.copies
-        )
+            self.runner.parameters(), options.clip, group=self.runner.group,
+            copies=mirror_copies(self.schedule),
+        )  # fmt: skip
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        seconds = time.perf_counter() - start
-        tokens = self.batch * self.spec.seq_len * options.grad_accum
-        return StepRecord(
-            step=self.step,
-            loss=sum(losses) / len(losses),
-            lr=lr,
-            grad_norm=float(norm),
-            tokens_per_s=tokens / seconds,
-            step_time=seconds,
-            bubble=sum(bubbles) / len(bubbles) if bubbles else None,
-            peak_activation_bytes=self.meter.peak,
-        )
+        return self._record(
+            time.perf_counter() - start, loss=loss, lr=lr, grad_norm=float(norm),
+            bubble=None if timeline is None else metrics(timeline).bubble_ratio,
+        )  # fmt: skip
+
+    def _emulated_step(self) -> StepRecord:
+        """One pipeline step of sleeps: its time and its measured bubble."""
+        from cutpipe.sim import metrics
+
+        start = time.perf_counter()
+        self.runner.step(None, None)
+        self.step += 1
+        timeline = self.runner.timeline()
+        return self._record(
+            time.perf_counter() - start, loss=math.nan, lr=0.0, grad_norm=math.nan,
+            bubble=None if timeline is None else metrics(timeline).bubble_ratio,
+        )  # fmt: skip
 
     def close(self, failed: bool = False) -> None:
         """Finish the pending checkpoint and let go; after a failure, without waiting for
@@ -354,8 +337,8 @@ class Trainer:
                 self.checkpoints.abandon()
             else:
                 self.checkpoints.close()
-        for recompute in self.recomputes:
-            recompute.close()
+        if self.parallel is not None:
+            self.parallel.close()
         self.runner.close()
 
 
@@ -400,7 +383,7 @@ def train(options: TrainOptions) -> dict[str, Any]:
             elif trainer.step == options.steps:
                 ready += trainer.settled()
             for record in ready:
-                if not (math.isfinite(record.loss) or options.skip_nonfinite):
+                if not (math.isfinite(record.loss) or options.skip_nonfinite or options.emulate):
                     raise FloatingPointError(
                         f"the loss became {record.loss} at step {record.step}: lower --lr, use "
                         "--clip, or --skip-nonfinite to skip such steps"
@@ -410,6 +393,7 @@ def train(options: TrainOptions) -> dict[str, Any]:
                     log.write(record)
                 if progress is not None:
                     progress.update(record)
+        timeline = trainer.runner.timeline()
         failed = False
     finally:
         profiler.close()
@@ -418,12 +402,17 @@ def train(options: TrainOptions) -> dict[str, Any]:
         if log is not None:
             log.close()
         trainer.close(failed)
+    if rank == 0 and options.trace and timeline is not None:
+        timeline.save(options.trace)
     return {
         "rank": rank,
+        "task": trainer.task.name,
+        "loss_words": trainer.task.loss_words,
         "losses": [r.loss for r in records],
         "first_step": records[0].step if records else None,
         "resumed_from": resumed,
-        "entropy": trainer.entropy,
+        "entropy": trainer.task.baseline(),
         "checkpoint_stall": stalls,
         "records": [r.to_dict() for r in records],
+        "timeline": None if timeline is None else timeline.to_dict(),
     }

@@ -69,6 +69,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from cutpipe.plan.costs.hardware import GPUS, Hardware, gpu
+from cutpipe.sim.costs import RECOMPUTE_MODES
 from cutpipe.spec import ModelSpec
 
 __all__ = ["GPUS", "Hardware", "ItemCost", "Training", "gpu", "model_items"]
@@ -82,7 +83,6 @@ PASS_OVERHEAD = 0.3e-3
 #: Adam with fp32 master weights reads the gradient, master weight and moments and writes them
 #: back with the bf16 weight: about 28 bytes per parameter through memory per step.
 OPTIMIZER_BYTES_PER_PARAMETER = 28
-RECOMPUTE = ("none", "selective", "full")
 #: Without ZeRO: bf16 weights and gradients, fp32 Adam master weights and two moments.
 STATE_BYTES_PER_PARAMETER = 16
 
@@ -100,9 +100,9 @@ class Training:
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
-        if self.recompute not in RECOMPUTE:
+        if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(
-                f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}"
+                f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
             )
         for name in ("dp", "tp"):
             value = getattr(self, name)

@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cutpipe.plan.costs.model import RECOMPUTE, Hardware, Training
+from cutpipe.plan.costs.model import Hardware, Training
 from cutpipe.plan.costs.profile import Profile
 from cutpipe.plan.recommend.plans import Plan, Rejected
 from cutpipe.records import count
+from cutpipe.sim.costs import RECOMPUTE_MODES
 from cutpipe.spec import ModelSpec
 
 
@@ -40,8 +41,10 @@ class Search:
     ) -> Search:  # fmt: skip
         if zero is not None and zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
-        if recompute is not None and recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+        if recompute is not None and recompute not in RECOMPUTE_MODES:
+            raise ValueError(
+                f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
+            )
         if precision not in ("bf16", "fp8"):
             raise ValueError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
         if precision == "fp8" and not hardware.fp8_flops:
@@ -82,7 +85,7 @@ class Search:
         if self.recompute is not None:
             levels = [self.recompute]
         else:
-            levels = ["none"] if self.measured else list(RECOMPUTE)
+            levels = ["none"] if self.measured else list(RECOMPUTE_MODES)
         unsharded = [0] if dp == 1 else [1] if pp > 1 else [1, 2, 3]  # nothing over one rank
         zeros = [self.zero] if self.zero is not None else unsharded
         return [[Training(z, dp, r, self.fp8, tp) for z in zeros] for r in levels]

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from cutpipe.runtime.stages import Chain
+from cutpipe.runtime.stages import Stage
 
 Value = tuple[torch.Tensor, ...]
 Context = dict[Any, Any]  # what one microbatch's phases tell each other (routes, indices)
@@ -252,16 +252,23 @@ class _TapeEnd(torch.autograd.Function):
         return None, None
 
 
-class PhasedStage(Chain):
+class PhasedStage(Stage):
     """A pipeline stage whose forward and backward run as a program of phases (see the module).
 
     ``overlap=False`` keeps the hook but runs a pair's halves one after the other, as the runner
     does without a hook: the same stage, measured both ways. ``exposed_comm`` adds up the seconds
     spent waiting for exchanges (reset it yourself); set ``trace`` to a list to log each phase.
+    Like any ``Stage``, it holds ``blocks`` of ``model`` under their names in the model.
     """
 
-    def __init__(self, *layers: torch.nn.Module, program: Sequence[Phase], overlap: bool = True):
-        super().__init__(*layers)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        blocks: Sequence[str],
+        program: Sequence[Phase],
+        overlap: bool = True,
+    ) -> None:
+        super().__init__(model, blocks)
         self.program = fuse(program)
         self.phased = any(not isinstance(phase, Compute) for phase in self.program)
         self.overlap = overlap

@@ -44,8 +44,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cutpipe.runtime.compute.deferral import WeightSplitter, splitter_of
-
-MODES = ("none", "selective", "full")
+from cutpipe.sim.costs import RECOMPUTE_MODES
 
 #: The ops whose outputs a selective unit keeps: weight matmuls and fused attention kernels
 #: (their functional overloads: an ``out=`` call writes into a tensor a replay could not fill).
@@ -382,8 +381,10 @@ def apply_recompute(
     routes the unit's linears, so the executor may build its splitters before or after this call.
     Returns the ``Recompute`` to ``close()``.
     """
-    if mode not in MODES:
-        raise ValueError(f"recompute mode {mode!r} is unknown: choose one of {', '.join(MODES)}")
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"recompute mode {mode!r} is unknown: choose one of {', '.join(RECOMPUTE_MODES)}"
+        )
     chosen = [] if mode == "none" else recompute_units(module, units)
     twice = [u for u in chosen if isinstance(u.__dict__.get("forward"), _RecomputedForward)]
     if twice:

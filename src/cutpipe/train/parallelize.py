@@ -1,0 +1,75 @@
+"""Parallelize a rank's stages for training, in one stated order (as torchtitan's
+``parallelize.py`` does for its models):
+
+1. **FSDP** (``--dp-mode fsdp``): shard each block's parameters over the data-parallel group.
+   First, because the runner and the optimizer must hold the sharded parameters.
+2. **Recompute** (``--recompute``): wrap each layer's forward so it keeps less and rebuilds the
+   rest during B; it wraps the forwards FSDP's hooks call, so it composes with sharding.
+3. **Gradient reducer** (``--dp`` > 1): what averages the stages' gradients over the replicas,
+   as each stage's last backward ends (FSDP's reduce-scatter, or one all-reduce per stage).
+
+Tensor parallelism, when the trainer takes it, goes before all three: it changes the modules the
+others wrap.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from cutpipe.parallel.fsdp import FsdpReducer
+    from cutpipe.parallel.mesh import ParallelMesh
+    from cutpipe.runtime.compute.recompute import Recompute
+    from cutpipe.runtime.protocols import GradientReducer
+    from cutpipe.train.options import TrainOptions
+
+
+@dataclass
+class Parallelized:
+    """A rank's stages, ready for the runner, and what acts on them during a step."""
+
+    stages: dict[int, nn.Module]
+    reducer: GradientReducer | None = None
+    fsdp: FsdpReducer | None = None  # the reducer, when it is FSDP's (it also unshards)
+    recomputes: list[Recompute] = field(default_factory=list)
+
+    def close(self) -> None:
+        for recompute in self.recomputes:
+            recompute.close()
+
+
+def parallelize(
+    stages: Mapping[int, nn.Module],
+    options: TrainOptions,
+    mesh: ParallelMesh,
+    recompute_unit: type[nn.Module] | None = None,
+) -> Parallelized:
+    """Apply FSDP, recompute and the gradient reducer to ``stages`` (see the module)."""
+    from cutpipe.runtime.compute.recompute import apply_recompute
+
+    done = Parallelized(dict(stages))
+    if options.dp > 1 and options.dp_mode == "fsdp":
+        from cutpipe.parallel.fsdp import FsdpReducer, shard_stages
+
+        shard_stages(done.stages, mesh.mesh["dp"])
+        # FSDP2 warns that blocks return views (the layers' and the head's reshapes), where an
+        # in-place op would drop its pre-backward hook, which all-gathers resharded weights for
+        # the backward: here they stay whole through the step, and FsdpReducer runs the
+        # post-backward itself (the gradients are exact: tests/test_fsdp.py)
+        warnings.filterwarnings(
+            "ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor"
+        )
+    done.recomputes = [
+        apply_recompute(module, options.recompute, units=recompute_unit)
+        for module in done.stages.values()
+    ]
+    if options.dp > 1 and options.dp_mode == "fsdp":
+        done.reducer = done.fsdp = FsdpReducer(done.stages)
+    elif options.dp > 1:
+        done.reducer = mesh.gradient_reducer()
+    return done

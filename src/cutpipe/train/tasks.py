@@ -1,0 +1,189 @@
+"""What a run trains: a model, its loss, its batches and how it is cut into stages by default.
+
+The trainer is the same for every model; what differs is here. A ``LanguageModelTask`` trains a
+transformer (a cutpipe model file or a Hugging Face ``config.json``) on text, next-token cross
+entropy, its stages balanced by the planner's cost model. A ``RegressionTask`` trains the
+example MLP (``--model mlp`` or a file with ``family: mlp``) to imitate a teacher of its own
+shape on synthetic data, its blocks shared out evenly: a quick look at a schedule running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+from cutpipe.model_config import load_training_model
+from cutpipe.schedule.schedule import Schedule
+from cutpipe.spec import MlpSpec, ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from cutpipe.train.options import TrainOptions
+
+
+class Loader(Protocol):
+    """Endless ``(inputs, targets)`` batches whose position a checkpoint keeps."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Task(Protocol):
+    """What the trainer needs to know about the model it trains."""
+
+    name: str
+    #: samples per microbatch (sequences, or rows of the regression)
+    microbatch_size: int
+    #: what one sample counts for in the throughput: its tokens (the sequence length), or 1
+    tokens_per_sample: int
+    #: how the summary names the loss
+    loss_words: str
+
+    def num_blocks(self) -> int:
+        """The blocks the model runs one after another (what stages are cut from)."""
+        ...
+
+    def default_sizes(self, schedule: Schedule) -> list[int]:
+        """Blocks per stage when no plan gives them."""
+        ...
+
+    def build(self, seed: int) -> nn.Module: ...
+
+    def loss(self) -> nn.Module: ...
+
+    def recompute_unit(self) -> type[nn.Module] | None:
+        """The module class recompute wraps (None: each block of a stage)."""
+        ...
+
+    def loader(self, batch: int, seed: int) -> Loader: ...
+
+    def baseline(self) -> float | None:
+        """A loss to read the run's against (a context-free model's), once the data is loaded."""
+        ...
+
+
+def task_for(options: TrainOptions) -> Task:
+    """The task of ``options.model`` (its sequence length overridden by ``--seq-len``)."""
+    spec = load_training_model(options.model)
+    if isinstance(spec, MlpSpec):
+        if options.seq_len is not None or options.data:
+            raise ValueError(
+                f"--model {options.model} is the example MLP on synthetic data: drop --seq-len "
+                "and --data, or train a language model (--model FILE)"
+            )
+        return RegressionTask(spec)
+    if options.seq_len is not None:
+        spec = replace(spec, seq_len=options.seq_len)
+    return LanguageModelTask(spec, options.data, options.aux_weight)
+
+
+@dataclass
+class LanguageModelTask:
+    """A decoder-only transformer on text: next-token cross entropy (plus the MoE balance)."""
+
+    spec: ModelSpec
+    data: tuple[str, ...] = ()
+    aux_weight: float = 0.01
+    loss_words = "nats/token"
+
+    def __post_init__(self) -> None:
+        self.name = self.spec.name
+        self.microbatch_size = self.spec.microbatch_size
+        self.tokens_per_sample = self.spec.seq_len
+        self._entropy: float | None = None
+
+    def num_blocks(self) -> int:
+        return self.spec.layers + 2  # the embedding, the layers, the head
+
+    def default_sizes(self, schedule: Schedule) -> list[int]:
+        """The planner's balanced partition, priced on a nominal GPU: only the ratios of the
+        blocks' costs matter, and they depend on the model, not the machine."""
+        from cutpipe.plan.costs.model import gpu, model_items, p2p_time, w_memory
+        from cutpipe.plan.partition import balance
+
+        hardware = gpu("H100")
+        items = model_items(self.spec, hardware)
+        if len(items) < schedule.num_stages:
+            raise ValueError(
+                f"{self.name} has {self.spec.layers} layers plus embedding and head, "
+                f"{len(items)} blocks, too few for the {schedule.num_stages} stages of "
+                f"{schedule.name}: use a model with more layers or fewer ranks"
+            )
+        comm = p2p_time(self.spec, hardware, within_node=True)
+        return balance(schedule, items, comm, w_memory(self.spec)).sizes
+
+    def build(self, seed: int) -> nn.Module:
+        from cutpipe.models.transformer import language_model
+
+        return language_model(self.spec, seed=seed)
+
+    def loss(self) -> nn.Module:
+        from cutpipe.models.transformer import LanguageModelLoss
+
+        return LanguageModelLoss(self.aux_weight)
+
+    def recompute_unit(self) -> type[nn.Module] | None:
+        from cutpipe.models.transformer import Layer
+
+        return Layer
+
+    def loader(self, batch: int, seed: int) -> Loader:
+        from cutpipe.data import TokenLoader, load_tokens, unigram_entropy
+
+        tokens = load_tokens(self.data)
+        self._entropy = unigram_entropy(tokens)
+        return TokenLoader(tokens, self.spec.seq_len, batch, seed=seed)
+
+    def baseline(self) -> float | None:
+        return self._entropy
+
+
+@dataclass
+class RegressionTask:
+    """The example MLP imitating a teacher MLP: mean squared error on synthetic batches."""
+
+    spec: MlpSpec
+    tokens_per_sample = 1
+    loss_words = "mean squared error"
+
+    def __post_init__(self) -> None:
+        self.name = self.spec.name
+        self.microbatch_size = self.spec.microbatch_size
+
+    def num_blocks(self) -> int:
+        return self.spec.blocks
+
+    def default_sizes(self, schedule: Schedule) -> list[int]:
+        from cutpipe.runtime.stages import even_split
+
+        return even_split(self.spec.blocks, schedule.num_stages, "blocks")
+
+    def build(self, seed: int) -> nn.Module:
+        from cutpipe.models.mlp import mlp
+
+        return mlp(self.spec.blocks, self.spec.width, seed=seed)
+
+    def loss(self) -> nn.Module:
+        from torch import nn
+
+        return nn.MSELoss()
+
+    def recompute_unit(self) -> type[nn.Module] | None:
+        return None
+
+    def loader(self, batch: int, seed: int) -> Loader:
+        """Batches labelled by a teacher of the model's own shape, with weights of another seed."""
+        from cutpipe.data.loader import epoch_seed
+        from cutpipe.data.synthetic import RegressionLoader
+        from cutpipe.models.mlp import mlp
+
+        teacher = mlp(self.spec.blocks, self.spec.width, seed=epoch_seed(seed, -1))
+        return RegressionLoader(self.spec.width, batch, seed, teacher)
+
+    def baseline(self) -> float | None:
+        return None
