@@ -312,7 +312,7 @@ def run_model(args: argparse.Namespace) -> int:
     if is_worker():
         from torch.distributed.elastic.multiprocessing.errors import record
 
-        from cutpipe.doctor.checks import startup_warnings
+        from cutpipe.doctor.report import startup_warnings
         from cutpipe.train.trainer import train
 
         if os.environ.get("LOCAL_RANK") == "0":  # once per node, however it was launched
