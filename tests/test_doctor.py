@@ -22,7 +22,7 @@ from cutpipe.doctor.gathering import (
     read_modules,
     read_nccl_conf,
 )
-from cutpipe.doctor.report import diagnose, startup_warnings, warnings
+from cutpipe.doctor.report import diagnose, startup_warnings, warning_lines
 
 GPU_CHECKS = ("CUDA", "GPUs", "NCCL", "bf16", "CUDA graphs", "NCCL P2P")
 NAMES = [
@@ -94,7 +94,7 @@ def test_a_bare_gpu_node_gets_the_three_recommendations_and_nothing_unchecked():
     assert found["NCCL"].value == "2.21.5" and found["bf16"].status == OK
     assert found["GPUs"].value == "8 x NVIDIA H100 80GB HBM3, compute capability 9.0"
     assert all(f.why.endswith(".") and f.why.count(". ") == 0 for f in found.values())
-    lines = warnings(list(found.values()))
+    lines = warning_lines(list(found.values()))
     assert len(lines) == 3 and all(line.startswith("advice: ") for line in lines)
 
 
@@ -114,7 +114,7 @@ def test_a_bare_gpu_node_gets_the_three_recommendations_and_nothing_unchecked():
 def test_a_well_set_node_is_ok_everywhere(changes):
     findings = diagnose(gpu_node(**changes))
     assert {f.name: f.status for f in findings} == dict.fromkeys(NAMES, OK)
-    assert warnings(findings) == []
+    assert warning_lines(findings) == []
 
 
 def finding(name: str, **changes) -> Finding:

@@ -53,7 +53,7 @@ def diagnose(machine: Machine | None = None) -> list[Finding]:
     return [check(machine) for check in CHECKS]
 
 
-def warnings(findings: list[Finding]) -> list[str]:
+def warning_lines(findings: list[Finding]) -> list[str]:
     """One line per finding that asks for something (advice or warning), for a start-up print."""
     return [
         f"{finding.status}: {finding.name} ({finding.value}): {finding.advice}"
@@ -73,4 +73,4 @@ def startup_warnings(
         return []
     if nodes is not None:
         machine = replace(machine, nodes=nodes)
-    return [f"cutpipe doctor: {line}" for line in warnings(diagnose(machine))]
+    return [f"cutpipe doctor: {line}" for line in warning_lines(diagnose(machine))]
