@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cutpipe.runtime.transport.flat import local as local_tensor
+from cutpipe.runtime.transport.flat import local_shard as local_tensor
 from cutpipe.schedule.schedule import Schedule
 
 if TYPE_CHECKING:

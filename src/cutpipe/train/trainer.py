@@ -123,7 +123,7 @@ class Trainer:
         from cutpipe.runtime.compute.recompute import apply_recompute
         from cutpipe.runtime.compute.saved import SavedMeter
         from cutpipe.runtime.stages import Stage, split_module
-        from cutpipe.runtime.transport.flat import local
+        from cutpipe.runtime.transport.flat import local_shard
         from cutpipe.train.optim import build_optimizer, mirror_copies, warmup_cosine
 
         self.options = options
@@ -191,7 +191,7 @@ class Trainer:
         self.recomputes = [
             apply_recompute(module, options.recompute, units=Layer) for module in stages.values()
         ]
-        self.meter = SavedMeter(exclude=[local(p) for p in self.runner.parameters()])
+        self.meter = SavedMeter(exclude=[local_shard(p) for p in self.runner.parameters()])
         self.copies = mirror_copies(self.schedule)
         self.optimizer = build_optimizer(
             self.runner.modules, lr=options.lr, weight_decay=options.weight_decay,
