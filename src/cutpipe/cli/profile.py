@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     require_torch()
     import torch
 
-    from cutpipe.profiling import check_fits, measure  # imports torch
+    from cutpipe.profiling import check_fits, profile_model  # imports torch
 
     device = args.device
     if device is None:
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                 f"numbered from 0"
             )
     check_fits(model, device, args.dtype)
-    profile = measure(model, device, args.dtype, args.repeats, args.warmup)
+    profile = profile_model(model, device, args.dtype, args.repeats, args.warmup)
     profile.save(args.output)
     if args.json:
         print_json(profile.to_dict())
