@@ -12,23 +12,17 @@ from dataclasses import replace
 import pytest
 
 from cutpipe.cli.main import main
-from cutpipe.doctor import checks as doctor
-from cutpipe.doctor.checks import (
-    ADVICE,
-    OK,
-    UNCHECKED,
-    WARNING,
-    Finding,
+from cutpipe.doctor import gathering
+from cutpipe.doctor.findings import ADVICE, OK, UNCHECKED, WARNING, Finding
+from cutpipe.doctor.gathering import (
     Machine,
-    diagnose,
     gather,
     nodes_of,
     read_infiniband,
     read_modules,
     read_nccl_conf,
-    startup_warnings,
-    warnings,
 )
+from cutpipe.doctor.report import diagnose, startup_warnings, warning_lines
 
 GPU_CHECKS = ("CUDA", "GPUs", "NCCL", "bf16", "CUDA graphs", "NCCL P2P")
 NAMES = [
@@ -100,7 +94,7 @@ def test_a_bare_gpu_node_gets_the_three_recommendations_and_nothing_unchecked():
     assert found["NCCL"].value == "2.21.5" and found["bf16"].status == OK
     assert found["GPUs"].value == "8 x NVIDIA H100 80GB HBM3, compute capability 9.0"
     assert all(f.why.endswith(".") and f.why.count(". ") == 0 for f in found.values())
-    lines = warnings(list(found.values()))
+    lines = warning_lines(list(found.values()))
     assert len(lines) == 3 and all(line.startswith("advice: ") for line in lines)
 
 
@@ -120,7 +114,7 @@ def test_a_bare_gpu_node_gets_the_three_recommendations_and_nothing_unchecked():
 def test_a_well_set_node_is_ok_everywhere(changes):
     findings = diagnose(gpu_node(**changes))
     assert {f.name: f.status for f in findings} == dict.fromkeys(NAMES, OK)
-    assert warnings(findings) == []
+    assert warning_lines(findings) == []
 
 
 def finding(name: str, **changes) -> Finding:
@@ -291,7 +285,7 @@ def test_doctor_table_here():
 
 
 def test_doctor_on_a_described_gpu_node(capsys, monkeypatch):
-    monkeypatch.setattr(doctor, "gather", lambda *a, **k: gpu_node())
+    monkeypatch.setattr(gathering, "gather", lambda *a, **k: gpu_node())
     code, out, _ = run(capsys, "doctor", "--json")
     statuses = {f["name"]: f["status"] for f in json.loads(out)["findings"]}
     assert code == 0 and UNCHECKED not in statuses.values()
@@ -301,7 +295,7 @@ def test_doctor_on_a_described_gpu_node(capsys, monkeypatch):
 
 
 def test_under_torchrun_one_answer_per_node_prefixed_with_the_node(capsys, monkeypatch):
-    monkeypatch.setattr(doctor, "gather", lambda *a, **k: gpu_node())
+    monkeypatch.setattr(gathering, "gather", lambda *a, **k: gpu_node())
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert run(capsys, "doctor") == (0, "", "")
     assert run(capsys, "doctor", "--json") == (0, "", "")
@@ -327,7 +321,7 @@ def test_startup_warnings_open_no_cuda_context_and_say_what_to_set(monkeypatch):
         seen["probe"] = probe
         return gpu_node(bf16=None, cuda_graphs=None, no_gpu="not probed")
 
-    monkeypatch.setattr(doctor, "gather", fake_gather)
+    monkeypatch.setattr(gathering, "gather", fake_gather)
     lines = startup_warnings()
     assert seen["probe"] is False
     assert len(lines) == 3 and all(line.startswith("cutpipe doctor: advice: ") for line in lines)
@@ -337,7 +331,7 @@ def test_startup_warnings_open_no_cuda_context_and_say_what_to_set(monkeypatch):
 
 
 def test_startup_warnings_are_empty_without_a_gpu(monkeypatch):
-    monkeypatch.setattr(doctor, "gather", lambda *a, **k: Machine(no_gpu="a CPU build"))
+    monkeypatch.setattr(gathering, "gather", lambda *a, **k: Machine(no_gpu="a CPU build"))
     assert startup_warnings() == []
 
 
@@ -351,7 +345,7 @@ def test_train_workers_print_the_doctors_warnings_once_per_node(monkeypatch, cap
     import cutpipe.launch.elastic as launch
     import cutpipe.train.trainer as trainer
 
-    monkeypatch.setattr(doctor, "gather", lambda *a, **k: gpu_node())
+    monkeypatch.setattr(gathering, "gather", lambda *a, **k: gpu_node())
     monkeypatch.setattr(trainer, "train", lambda options: {})
     monkeypatch.setattr(train_cli, "report", lambda result: None)
     monkeypatch.setattr(launch, "is_worker", lambda: True)

@@ -17,7 +17,7 @@ from cutpipe.plan.costs.model import (
     w_memory,
 )
 from cutpipe.plan.costs.profile import Profile
-from cutpipe.profiling import measure
+from cutpipe.profiling import profile_model
 from cutpipe.spec import ModelSpec
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "models"
@@ -122,7 +122,7 @@ def test_missing_model_file_and_unknown_gpu():
 
 @pytest.fixture(scope="module")
 def tiny_profile() -> Profile:
-    return measure(TINY, repeats=2, warmup=1)
+    return profile_model(TINY, repeats=2, warmup=1)
 
 
 def test_profile_measures_every_kind_of_item(tiny_profile):
@@ -164,7 +164,7 @@ def test_bad_profile_files(tmp_path):
     with pytest.raises(ValueError, match="not a cutpipe profile"):
         Profile.load(tmp_path / "other.json")
     with pytest.raises(ValueError, match="cannot profile in 'int8'"):
-        measure(TINY, dtype="int8")
+        profile_model(TINY, dtype="int8")
 
 
 def test_llama3_405b_has_its_published_parameter_count():

@@ -1,6 +1,6 @@
 """Measure a model's items on this machine: what ``cutpipe profile`` runs.
 
-``measure`` builds one embedding, one dense layer and/or one MoE layer, and the head of the model
+``profile_model`` builds one embedding, one dense layer and/or one MoE layer, and the head of the model
 (``cutpipe.models.transformer``), and for each runs what the runtime runs: a forward with its
 ``nn.Linear`` layers deferring their weight gradients (``WeightSplitter``), the input-gradient
 backward, then the deferred weight gradients. It times each phase (median of ``repeats``, after
@@ -114,7 +114,7 @@ def _free_bytes(device: torch.device) -> float:
 
 def check_fits(model: ModelSpec, device: str = "cpu", dtype: str | None = None) -> None:
     """A ValueError, before anything is built, if one of each item of ``model`` (what
-    ``measure`` holds at once) cannot fit in the memory ``device`` has free.
+    ``profile_model`` holds at once) cannot fit in the memory ``device`` has free.
 
     The estimate: parameters, their gradients and the deferred weight gradients of every kind
     of item, plus twice the largest activation, in the dtype the measurement runs in.
@@ -139,7 +139,7 @@ def check_fits(model: ModelSpec, device: str = "cpu", dtype: str | None = None) 
         )
 
 
-def measure(
+def profile_model(
     model: ModelSpec, device: str = "cpu", dtype: str | None = None, repeats: int = 3,
     warmup: int = 1, seed: int = 0,
 ) -> Profile:  # fmt: skip

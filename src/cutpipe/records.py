@@ -36,9 +36,9 @@ def whole(value: Any, what: str, least: int = 0) -> int:
     return value
 
 
-def count(value: Any, what: str, least: int = 1) -> int:
-    """An argument that counts something (ranks, microbatches, devices): an int, not a bool, a
-    TypeError otherwise; at least ``least``, a ValueError otherwise."""
+def check_count(value: Any, what: str, least: int = 1) -> int:
+    """Check an argument that counts something (ranks, microbatches, devices) and return it: an
+    int, not a bool, a TypeError otherwise; at least ``least``, a ValueError otherwise."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})")
     if value < least:

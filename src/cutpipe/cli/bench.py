@@ -23,7 +23,7 @@ from cutpipe.cli.common import (
     positive_int,
     print_json,
     require_torch,
-    whole,
+    whole_number,
 )
 from cutpipe.plan.recommend.recommend import MAX_DEVICES
 
@@ -42,9 +42,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         description=description(__doc__),
     )  # fmt: skip
     real = moe.add_argument_group("real runs (this machine, gloo)")
-    real.add_argument("--pp", type=whole(1, MAX_PROCESSES), default=2,
+    real.add_argument("--pp", type=whole_number(1, MAX_PROCESSES), default=2,
                       help="pipeline ranks (default 2)")  # fmt: skip
-    real.add_argument("--ep", type=whole(1, MAX_PROCESSES), default=2,
+    real.add_argument("--ep", type=whole_number(1, MAX_PROCESSES), default=2,
                       help="expert-parallel ranks (default 2)")  # fmt: skip
     real.add_argument("--microbatches", "-m", type=positive_int, default=8,
                       help="per pipeline (default 8)")  # fmt: skip
@@ -54,7 +54,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     real.add_argument("--sim-only", action="store_true", help="skip the real runs")
     sim = moe.add_argument_group("simulation at the report's scale")
     sim.add_argument("--gpu", default="A100", help="A100 (default), H100 or H200")
-    sim.add_argument("--devices", type=whole(1, MAX_DEVICES), default=8, help="GPUs (default 8)")
+    sim.add_argument(
+        "--devices", type=whole_number(1, MAX_DEVICES), default=8, help="GPUs (default 8)"
+    )
     sim.add_argument("--sim-pp", type=positive_int, default=4, help="pipeline ranks (default 4)")
     sim.add_argument("--sim-ep", type=positive_int, default=2,
                      help="expert-parallel ranks (default 2)")  # fmt: skip

@@ -21,7 +21,7 @@ from cutpipe.sim.costs import MAX_COST, Costs
 MAX_MEMORY_GB = 1e6
 
 
-def whole(least: int = 1, most: int | None = None) -> Callable[[str], int]:
+def whole_number(least: int = 1, most: int | None = None) -> Callable[[str], int]:
     """An argparse ``type``: a whole number in [least, most], refused before any work."""
     return Whole(least, most).argument_type()
 
@@ -35,7 +35,7 @@ def real(
 
 
 #: A count of something that must exist at least once: ranks, microbatches, steps, devices.
-positive_int = whole(1)
+positive_int = whole_number(1)
 #: A duration or rate that must be above zero: timeouts, learning rates, time units.
 positive_float = real(0.0)
 
@@ -202,7 +202,7 @@ def add_steps_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     """--steps K with --boundary, --optimizer and --reduction: several steps back to back."""
     parser.add_argument(
         "--steps",
-        type=whole(1, 1000),
+        type=whole_number(1, 1000),
         metavar="K",
         help=f"{what} K steps back to back, and the time per step once they repeat",
     )

@@ -44,7 +44,9 @@ def _local_rank() -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cutpipe.doctor.checks import STATUSES, diagnose, gather
+    from cutpipe.doctor.findings import STATUSES
+    from cutpipe.doctor.gathering import gather
+    from cutpipe.doctor.report import diagnose
 
     rank = _local_rank()
     if rank is not None and rank != 0:

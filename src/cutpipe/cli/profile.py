@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from cutpipe.cli.common import output_file, print_json, require_torch, whole
+from cutpipe.cli.common import output_file, print_json, require_torch, whole_number
 from cutpipe.plan.costs.profile import DTYPES
 from cutpipe.spec import ModelSpec
 
@@ -34,9 +34,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dtype", choices=tuple(DTYPES), help="default: fp32 on CPU, the model's on GPU"
     )
-    parser.add_argument("--repeats", type=whole(1, MAX_ROUNDS), default=3,
+    parser.add_argument("--repeats", type=whole_number(1, MAX_ROUNDS), default=3,
                         help="timed rounds (median)")  # fmt: skip
-    parser.add_argument("--warmup", type=whole(0, MAX_ROUNDS), default=1,
+    parser.add_argument("--warmup", type=whole_number(0, MAX_ROUNDS), default=1,
                         help="untimed rounds first")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="also print the profile")
     parser.set_defaults(run=run)
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     require_torch()
     import torch
 
-    from cutpipe.profiling import check_fits, measure  # imports torch
+    from cutpipe.profiling import check_fits, profile_model  # imports torch
 
     device = args.device
     if device is None:
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                 f"numbered from 0"
             )
     check_fits(model, device, args.dtype)
-    profile = measure(model, device, args.dtype, args.repeats, args.warmup)
+    profile = profile_model(model, device, args.dtype, args.repeats, args.warmup)
     profile.save(args.output)
     if args.json:
         print_json(profile.to_dict())

@@ -12,7 +12,7 @@ from cutpipe.cli.common import (
     positive_int,
     print_json,
     schedule_names,
-    whole,
+    whole_number,
 )
 from cutpipe.plan.recommend.recommend import (
     DEFAULT_SCHEDULES,
@@ -87,7 +87,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "schedule that fits in memory, simulate each step, and print the fastest few.",
     )
     parser.add_argument(
-        "--devices", "-n", type=whole(1, MAX_DEVICES), required=True, help="number of GPUs"
+        "--devices", "-n", type=whole_number(1, MAX_DEVICES), required=True, help="number of GPUs"
     )
     add_model_arguments(parser)
     parser.add_argument(
@@ -123,7 +123,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="activation recompute (default: searched, least first)")  # fmt: skip
     parser.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
                         help="matmul precision: bf16 (default) or fp8 on GPUs that have it")  # fmt: skip
-    parser.add_argument("--tp", type=whole(1, 64), metavar="T",
+    parser.add_argument("--tp", type=whole_number(1, 64), metavar="T",
                         help="tensor-parallel size inside a node (default: searched)")  # fmt: skip
     parser.add_argument("--top", type=positive_int, default=8, help="how many plans to print")
     parser.add_argument(

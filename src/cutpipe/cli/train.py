@@ -96,7 +96,7 @@ def work(options: TrainOptions) -> int:
     """One worker: train, then (rank 0) say how it went."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from cutpipe.doctor.checks import startup_warnings
+    from cutpipe.doctor.report import startup_warnings
     from cutpipe.launch.elastic import die_with_parent
     from cutpipe.train.trainer import train
 

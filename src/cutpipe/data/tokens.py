@@ -158,7 +158,7 @@ def write_tokens(
     return header
 
 
-def tensor_bytes(values: torch.Tensor) -> memoryview:
+def bytes_view(values: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (torch has no buffer protocol);
     valid while ``values`` lives."""
     if values.device.type != "cpu" or not values.is_contiguous():
@@ -171,7 +171,7 @@ def tensor_bytes(values: torch.Tensor) -> memoryview:
 
 def digest_of(values: torch.Tensor) -> str:
     """The hex SHA-256 of a token tensor's bytes: what a token file's header holds."""
-    return hashlib.sha256(tensor_bytes(values)).hexdigest()
+    return hashlib.sha256(bytes_view(values)).hexdigest()
 
 
 @dataclass(frozen=True, eq=False)

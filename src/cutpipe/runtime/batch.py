@@ -1,4 +1,7 @@
-"""A step's batch: checked, and split along dim 0 into the schedule's microbatches."""
+"""A step's batch: checked, and cut along dim 0 into the schedule's microbatches.
+
+(In cutpipe "split" names the backward's B/W split only, hence ``to_microbatches``.)
+"""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ def batch_size(value: Any) -> int:
     return -1
 
 
-def split(
+def to_microbatches(
     value: Any, name: str, microbatches: int, device: torch.device
 ) -> list[tuple[torch.Tensor, ...]]:
     """``value`` (a tensor or tuple of tensors) as ``microbatches`` equal pieces along dim 0, each

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cutpipe.runtime.transport.flat import local as local_tensor
+from cutpipe.runtime.transport.flat import local_shard
 from cutpipe.schedule.schedule import Schedule
 
 #: what torch's clip_grad_norm_ adds to the norm before dividing
@@ -92,7 +92,7 @@ def clip_grad_norm(
         )
     sharded = _sharded_gradients(parameters)
     grads = [  # a replicated DTensor's local gradient is the whole one
-        local_tensor(p.grad)
+        local_shard(p.grad)
         for p in parameters
         if p.grad is not None and id(p) not in sharded.members
     ]
@@ -131,7 +131,7 @@ def scale_gradients(
 ) -> None:
     """Clip the gradients of ``parameters`` (DTensors' local parts) to ``max_norm`` given the
     global ``norm``, with torch's own ``clip_grads_with_norm_``."""
-    grads = [_LocalGradient(local_tensor(p.grad)) for p in parameters if p.grad is not None]
+    grads = [_LocalGradient(local_shard(p.grad)) for p in parameters if p.grad is not None]
     torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach)  # type: ignore[arg-type]
 
 
@@ -197,7 +197,7 @@ def _sharded_gradients(parameters: Sequence[torch.Tensor]) -> _Sharded:
         key = tuple(id(g) for g in groups)
         bucket = by_layout.setdefault(key, (groups, []))
         if parameter.grad is not None:
-            bucket[1].append(local_tensor(parameter.grad))
+            bucket[1].append(local_shard(parameter.grad))
     return _Sharded(members, list(by_layout.values()))
 
 

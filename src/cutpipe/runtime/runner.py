@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cutpipe.runtime.batch import batch_size, split
+from cutpipe.runtime.batch import batch_size, to_microbatches
 from cutpipe.runtime.clipping import mirror_copies
 from cutpipe.runtime.failure.agreement import (
     FAILED_FIELD,
@@ -527,10 +527,10 @@ class PipelineRunner:
                 "record_timeline measures training steps; run step() with grad enabled"
             )
         m = self.schedule.num_microbatches
-        batch = split(inputs, "inputs", m, self.device) if needs_inputs else None
+        batch = to_microbatches(inputs, "inputs", m, self.device) if needs_inputs else None
         split_targets: list[Any] = []
         if needs_targets and targets is not None:
-            split_targets = split(targets, "targets", m, self.device)
+            split_targets = to_microbatches(targets, "targets", m, self.device)
             if isinstance(targets, torch.Tensor):
                 split_targets = [t[0] for t in split_targets]
         if len({batch_size(inputs), batch_size(targets)} - {-1}) > 1:

@@ -127,7 +127,7 @@ class Trainer:
         from cutpipe.runtime import PipelineRunner
         from cutpipe.runtime.compute.saved import SavedMeter
         from cutpipe.runtime.stages import Stage, cut_module
-        from cutpipe.runtime.transport.flat import local
+        from cutpipe.runtime.transport.flat import local_shard
         from cutpipe.train.optim import build_optimizer, warmup_cosine
         from cutpipe.train.parallelize import parallelize
 
@@ -155,7 +155,7 @@ class Trainer:
         # fsdp the blocks hold DTensor shards, which DCP saves and loads as they are)
         self.held = Stage(model, [b for s in sorted(stages) for b in stages[s].block_names])
         del model  # this rank keeps only its stages
-        self.meter = SavedMeter(exclude=[local(p) for p in self.runner.parameters()])
+        self.meter = SavedMeter(exclude=[local_shard(p) for p in self.runner.parameters()])
         self.optimizer = build_optimizer(
             self.runner.modules, lr=options.lr, weight_decay=options.weight_decay,
             betas=(0.9, 0.95), shard_over=self.mesh.dp_group if options.dp_mode == "zero1" else None,

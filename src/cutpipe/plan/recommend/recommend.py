@@ -77,7 +77,7 @@ from cutpipe.plan.recommend.plans import (
     title,
 )
 from cutpipe.plan.recommend.settings import Search, best_setting, divisors
-from cutpipe.records import count
+from cutpipe.records import check_count
 from cutpipe.schedule.limits import MAX_OPS
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.sim.costs import Costs
@@ -463,9 +463,9 @@ def check_inputs(
         raise TypeError(f"model must be a ModelSpec, got {type(model).__name__}")
     if not isinstance(hardware, Hardware):
         raise TypeError(f"hardware must be a Hardware (e.g. gpu('H100')), got {hardware!r}")
-    count(devices, "devices")
+    check_count(devices, "devices")
     if global_batch is not None:
-        count(global_batch, "global_batch")
+        check_count(global_batch, "global_batch")
     if devices > MAX_DEVICES:
         raise ValueError(f"devices must be at most {MAX_DEVICES:,}, got {devices:,}")
     if memory is not None:

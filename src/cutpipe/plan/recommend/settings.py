@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from cutpipe.plan.costs.model import Hardware, Training
 from cutpipe.plan.costs.profile import Profile
 from cutpipe.plan.recommend.plans import Plan, Rejected
-from cutpipe.records import count
+from cutpipe.records import check_count
 from cutpipe.sim.costs import RECOMPUTE_MODES
 from cutpipe.spec import ModelSpec
 
@@ -50,7 +50,7 @@ class Search:
         if precision == "fp8" and not hardware.fp8_flops:
             raise ValueError(f"{hardware.name} has no FP8 tensor cores: use --precision bf16")
         if tp is not None:
-            count(tp, "tp")
+            check_count(tp, "tp")
             if tp > hardware.gpus_per_node or model.heads % tp:
                 raise ValueError(
                     f"tp must divide the {model.heads} heads and stay inside a node of "

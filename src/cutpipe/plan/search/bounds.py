@@ -16,7 +16,7 @@ import math
 from contextlib import suppress
 
 from cutpipe.plan.search.scheduler import round_trips
-from cutpipe.records import count
+from cutpipe.records import check_count
 from cutpipe.schedule.placement import Placement
 from cutpipe.sim.costs import Costs
 
@@ -88,7 +88,7 @@ def warmup_span_lower_bound(placement: Placement, microbatches: int, costs: Cost
     two-chunk stages) at 1.5 times 1F1B's memory it gives a span bubble of 0.0632, the figure
     of the paper's automatic scheduler there.
     """
-    count(microbatches, "warm-up bound: microbatches")
+    check_count(microbatches, "warm-up bound: microbatches")
     if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
         raise ValueError(f"cap must be a positive finite number of activations, got {cap!r}")
     if placement.num_pipes != 1:

@@ -20,7 +20,7 @@ from fractions import Fraction
 from itertools import pairwise
 
 from cutpipe.plan.search import caps, scheduler
-from cutpipe.records import count
+from cutpipe.records import check_count
 from cutpipe.schedule.codes import B_CODE, BW_CODE, F_CODE, KIND_BITS, KIND_MASK, W_CODE, Codec
 from cutpipe.schedule.dataflow import ACTIVATION, Dataflow
 from cutpipe.schedule.placement import Placement
@@ -92,8 +92,8 @@ def _check(placement: str, ranks: int, m: int, costs: Costs, cap: float | None, 
     """The placement and the cap, or an error that says what to change."""
     if placement not in ("linear", "v"):
         raise ValueError(f"exact_schedule: placement is 'linear' or 'v', got {placement!r}")
-    count(ranks, "exact_schedule: ranks")
-    count(m, "exact_schedule: microbatches")
+    check_count(ranks, "exact_schedule: ranks")
+    check_count(m, "exact_schedule: microbatches")
     kind = Placement.linear(ranks) if placement == "linear" else Placement.vshape(ranks)
     if objective not in OBJECTIVES:
         raise ValueError(f"exact_schedule: objective is 'makespan' or 'span', got {objective!r}")

@@ -19,7 +19,7 @@ import math
 
 from cutpipe.plan.search import caps
 from cutpipe.plan.search.exact import OBJECTIVES, plain_passes, solver_memory, solver_times
-from cutpipe.records import count
+from cutpipe.records import check_count
 from cutpipe.schedule.codes import B_CODE, F_CODE, KIND_BITS, KIND_MASK, Codec
 from cutpipe.schedule.dataflow import ACTIVATION, Dataflow
 from cutpipe.schedule.schedule import Schedule
@@ -131,8 +131,8 @@ def polish(
     expert-parallel time, one pipe); OR-Tools is an optional dependency (``cutpipe[exact]``).
     """
     _check(schedule, costs, memory_cap, objective)
-    count(rounds, "polish: rounds", least=0)
-    count(seed, "polish: seed", least=0)
+    check_count(rounds, "polish: rounds", least=0)
+    check_count(seed, "polish: seed", least=0)
     if not (isinstance(effort, (int, float)) and math.isfinite(effort) and effort > 0):
         raise ValueError(
             f"polish: effort must be a positive number of solver seconds, got {effort!r}"

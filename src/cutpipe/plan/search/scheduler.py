@@ -35,7 +35,7 @@ from cutpipe.plan.search.cooldown import settle_cooldown
 from cutpipe.plan.search.events import Ranks
 from cutpipe.plan.search.expedite import expedite, passes_done, try_order
 from cutpipe.plan.search.rounds import ROUND_PASSES, rounds_schedule
-from cutpipe.records import count
+from cutpipe.records import check_count
 from cutpipe.schedule.codes import B_CODE, F_CODE, KIND_BITS, KIND_MASK, W_CODE
 from cutpipe.schedule.dataflow import Dataflow, Key, produced
 from cutpipe.schedule.limits import check_size
@@ -466,8 +466,8 @@ def check_search(
     """A TypeError or ValueError naming the argument ``cost_aware`` cannot use, before any work."""
     if placement not in ("linear", "v"):
         raise ValueError(f"cost-aware schedules place stages 'linear' or 'v', got {placement!r}")
-    count(ranks, "cost_aware: ranks")
-    count(microbatches, "cost_aware: microbatches")
+    check_count(ranks, "cost_aware: ranks")
+    check_count(microbatches, "cost_aware: microbatches")
     if not isinstance(costs, Costs):
         raise TypeError(f"cost_aware: costs must be a Costs, got {costs!r}")
     for label, value in (("memory_cap", memory_cap), ("search_seconds", search_seconds)):
@@ -524,8 +524,8 @@ def cost_aware(
     stages = ranks * (2 if placement == "v" else 1)
     if search_evaluations is None:
         search_evaluations = default_evaluations(stages, microbatches)
-    count(search_evaluations, "cost_aware: search_evaluations", least=0)
-    count(seed, "cost_aware: seed", least=0)
+    check_count(search_evaluations, "cost_aware: search_evaluations", least=0)
+    check_count(seed, "cost_aware: seed", least=0)
     kind = placement_for(placement, ranks)
     cap = memory_cap if memory_cap is not None else default_cap(placement, ranks, costs)
     smallest = smallest_cap(kind, costs)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: a DTensor's local shard (tensor parallelism, FSDP), else
     the tensor itself. Writing into it writes into the DTensor."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
@@ -38,19 +38,23 @@ def reduce_gradients(
 def flatten_gradients(parameters: Sequence[nn.Parameter]) -> torch.Tensor:
     """The local parts of the parameters' gradients as one new flat tensor (zeros for none)."""
     return torch.cat(
-        [local(p.grad).reshape(-1) if p.grad is not None else local(p).new_zeros(local(p).numel())
-         for p in parameters]
-    )  # fmt: skip
+        [
+            local_shard(p.grad).reshape(-1)
+            if p.grad is not None
+            else local_shard(p).new_zeros(local_shard(p).numel())
+            for p in parameters
+        ]
+    )
 
 
 def write_gradients(parameters: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
     """Copy ``flat`` (from ``flatten_gradients``) back into the parameters' gradients."""
     for parameter, value in zip(
-        parameters, unflatten(flat, [local(p) for p in parameters]), strict=True
+        parameters, unflatten(flat, [local_shard(p) for p in parameters]), strict=True
     ):
         if parameter.grad is None:
             parameter.grad = torch.zeros_like(parameter)
-        local(parameter.grad).copy_(value)
+        local_shard(parameter.grad).copy_(value)
 
 
 @torch.no_grad()
@@ -58,7 +62,7 @@ def share_values(parameters: Sequence[nn.Parameter], move: Callable[[torch.Tenso
     """``move`` the parameters' values as one buffer (e.g. a broadcast) and copy them back."""
     if not parameters:
         return
-    shards = [local(p.detach()) for p in parameters]
+    shards = [local_shard(p.detach()) for p in parameters]
     flat = torch.cat([shard.reshape(-1) for shard in shards])
     move(flat)
     for shard, value in zip(shards, unflatten(flat, shards), strict=True):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cutpipe.records import count
+from cutpipe.records import check_count
 from cutpipe.schedule.limits import check_size
 from cutpipe.schedule.params import CHUNKS
 
@@ -19,8 +19,8 @@ def check_counts(
     steps the generator walks at least, given the ranks) bound the schedule's size and the
     generator's work, checked before anything is allocated (``cutpipe.schedule.limits``).
     """
-    count(num_ranks, f"{name}: ranks")
-    count(num_microbatches, f"{name}: microbatches")
+    check_count(num_ranks, f"{name}: ranks")
+    check_count(num_microbatches, f"{name}: microbatches")
     walked = 1 if steps is None else steps(num_ranks)
     check_size(name, num_ranks, num_ranks * stages_per_rank, num_microbatches, kinds, walked)
 
