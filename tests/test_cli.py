@@ -171,21 +171,22 @@ def test_installed_entry_point():
 
 
 @pytest.mark.timeout(180)
-def test_train_runs_local_processes_and_the_loss_goes_down(capsys):
-    code, out, _ = run(capsys, "train", "-s", "1f1b", "-n", "2", "--steps", "6")
+def test_train_runs_local_processes_and_the_loss_goes_down(capfd):
+    """The default model, the example MLP, under the elastic agent (its workers print)."""
+    code, out, _ = run(capfd, "train", "-s", "1f1b", "-n", "2", "--steps", "6")
     assert code == 0
     summary = next(line for line in out.splitlines() if line.startswith("6 steps"))
-    first, last = (float(v) for v in summary.split("loss ")[1].split(" -> "))
-    assert last < first
+    first, last = (float(v.split()[0]) for v in summary.split("loss ")[1].split(" -> "))
+    assert last < first / 2 and "mean squared error" in summary
 
 
 @pytest.mark.timeout(180)
-def test_train_emulate_shows_measured_beside_simulated_and_writes_a_trace(capsys, tmp_path):
+def test_train_emulate_shows_measured_beside_simulated_and_writes_a_trace(capfd, tmp_path):
     from cutpipe.sim import Timeline
 
     trace = tmp_path / "trace.json"
     code, out, _ = run(
-        capsys, "train", "-s", "zbh1", "-n", "2", "-m", "4", "--emulate", "--steps", "1",
+        capfd, "train", "-s", "zbh1", "-n", "2", "-m", "4", "--emulate", "--steps", "1",
         "--time-unit", "0.01", "--trace", str(trace),
     )  # fmt: skip
     assert code == 0 and "measured" in out and "simulated" in out

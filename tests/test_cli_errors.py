@@ -67,10 +67,9 @@ BAD_NUMBERS = [
     (["train", "-s", "1f1b", "-n", "2", "--timeout", "0"], "--timeout"),
     (["train", "-s", "1f1b", "-n", "2", "-m", "0"], "--microbatches/-m"),  # was: the default
     (["train", "-s", "1f1b", "-n", "2", "--batch", "0"], "--batch"),  # was: the default
-    (["train", "-s", "1f1b", "-n", "2", "--blocks", "0"], "--blocks"),  # was: the default
     (["train", "-s", "1f1b", "-n", "0"], "--nproc/-n"),
     (["train", "-s", "1f1b", "-n", "100000"], "between 1 and 64"),
-    (["train", "-s", "1f1b", "-n", "2", "--width", "1000000"], "use a smaller --width"),
+    (["train", "-s", "1f1b", "-n", "2", "--step-timeout", "0.5"], "--step-timeout"),
 ]
 
 
@@ -279,3 +278,17 @@ def test_the_installed_command_keeps_the_boundary(tmp_path):
                             env={**os.environ, "CUTPIPE_DEBUG": ""})  # fmt: skip
     assert result.returncode == 2 and result.stdout == ""
     assert_one_line(result.stderr)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [("blocks: 0", "blocks must be a whole number >= 1"),
+     ("width: 100000", "use a smaller width or fewer blocks"),
+     ("depth: 3", "unknown fields ['depth']")],
+)  # fmt: skip
+def test_an_mlp_model_file_is_checked_before_any_process_starts(capsys, tmp_path, fields, message):
+    model = tmp_path / "mlp.yaml"
+    model.write_text(f"family: mlp\n{fields}\n")
+    code, _, err = run(capsys, "train", "-s", "1f1b", "-n", "2", "--model", str(model))
+    assert code == 2 and message in err
+    assert_one_line(err)

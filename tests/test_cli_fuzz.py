@@ -108,7 +108,7 @@ def commands(paths: dict[str, str]) -> dict[str, tuple[list[str], dict[str, list
                     {"--model", "--output"}),
         "train": (["train"], {"--schedule": ONE_SCHEDULE, "--nproc": ["2", "4", "65"],
                               "--microbatches": SMALL, "--steps": SMALL, "--batch": ["8", "32", "7"],
-                              "--width": ["16", "100000"], "--blocks": ["4", "16"], "--lr": ["0.1"],
+                              "--model": ["mlp", paths["tiny.yaml"], *inputs], "--lr": ["0.1"],
                               "--emulate": [None], "--costs": COSTS, "--time-unit": ["0.01"],
                               "--trace": outputs, "--backend": ["gloo", "mpi"],
                               "--timeout": ["60"]}, {"--schedule", "--nproc"}),
@@ -161,7 +161,7 @@ def command_lines(draw, paths: dict[str, str], name: str) -> list[str]:
 
 def validate_train(args) -> int:
     """``train`` without starting processes: every check its run makes first."""
-    train._options(args)
+    train.check(train.options_from(args))
     return 0
 
 

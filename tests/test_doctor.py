@@ -346,8 +346,8 @@ def test_train_workers_print_the_doctors_warnings_once_per_node(monkeypatch, cap
     import cutpipe.train.trainer as trainer
 
     monkeypatch.setattr(gathering, "gather", lambda *a, **k: gpu_node())
-    monkeypatch.setattr(trainer, "train", lambda options: {})
-    monkeypatch.setattr(train_cli, "report", lambda result: None)
+    monkeypatch.setattr(trainer, "train", lambda options: {"rank": 0})
+    monkeypatch.setattr(train_cli, "report", lambda result, options: None)
     monkeypatch.setattr(launch, "is_worker", lambda: True)
     model = Path(__file__).resolve().parents[1] / "examples/models/tiny-dense.yaml"
     args = ["train", "--model", str(model), "-s", "zbv"]

@@ -188,9 +188,9 @@ def test_a_signal_to_cutpipe_train_stops_every_worker_quietly(signum, status):
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     workers: set[int] = set()
     deadline = time.monotonic() + 120
-    while len(workers) < 2 and time.monotonic() < deadline:  # the two ranks (and a helper)
+    while len(workers) < 2 and time.monotonic() < deadline:  # the agent's two workers
         time.sleep(0.5)
-        workers = {p for p in _descendants(process.pid) if "spawn_main" in _cmdline(p)}
+        workers = {p for p in _descendants(process.pid) if "-m cutpipe train" in _cmdline(p)}
     assert len(workers) >= 2, "the workers never started"
     time.sleep(2)
     process.send_signal(signum)

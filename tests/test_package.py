@@ -37,6 +37,7 @@ def layer(torch: str, may_import: str = "") -> Layer:
 LAYERS = {
     "records": layer(NEVER),
     "files": layer(NEVER),
+    "arguments": layer(NEVER),
     "spec": layer(NEVER),
     "model_config": layer(NEVER, "spec"),
     "schedule": layer(NEVER, "records files"),
@@ -54,13 +55,13 @@ LAYERS = {
     "data": layer(LAZY, "files"),
     "train": layer(
         ANYWHERE,
-        "schedule sim plan runtime models parallel data spec model_config files records",
+        "schedule sim plan runtime models parallel data spec model_config files records arguments",
     ),
     "bench": layer(LAZY, "schedule sim plan runtime models parallel launch spec"),
     "cli": layer(
         LAZY,
         "schedule sim viz plan runtime models parallel launch doctor profiling bench data train "
-        "spec model_config files records",
+        "spec model_config files records arguments",
     ),
     "__main__": layer(LAZY, "cli"),
     "cutpipe": layer(NEVER, "schedule sim"),

@@ -155,13 +155,13 @@ def test_from_refuses_a_shape_the_file_does_not_have(tmp_path, capsys):
 
 
 @pytest.mark.timeout(240)
-def test_train_runs_a_schedule_file_on_as_many_processes_as_it_has_ranks(tmp_path, capsys):
+def test_train_runs_a_schedule_file_on_as_many_processes_as_it_has_ranks(tmp_path, capfd):
     path = tmp_path / "v.json"
     save_schedule(generate("dualpipev", 2, 4), path)
-    code, out, _ = run(capsys, "train", "--from", str(path), "--nproc", "2", "--steps", "2",
-                       "--width", "8", "--timeout", "200")  # fmt: skip
+    code, out, _ = run(capfd, "train", "--from", str(path), "--nproc", "2", "--steps", "2",
+                       "--timeout", "200")  # fmt: skip
     assert code == 0 and "2 steps" in out
-    code, _, err = run(capsys, "train", "--from", str(path), "--nproc", "4", "--steps", "1")
+    code, _, err = run(capfd, "train", "--from", str(path), "--nproc", "4", "--steps", "1")
     assert code == 2 and "a schedule for 2 ranks, but the run has 4" in err
 
 

@@ -169,4 +169,4 @@ def test_emulated_steps_overlap_as_the_simulator_predicts(four_ranks):
 )
 def test_training_options_refuse_what_the_runners_step_cannot_do(changes, message):
     with pytest.raises(ValueError, match=message):
-        TrainOptions(model="model.yaml", schedule="zbv", **changes)
+        TrainOptions.build(model="model.yaml", schedule="zbv", **changes)

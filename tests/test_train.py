@@ -54,7 +54,7 @@ def model_file(tmp_path: Path) -> str:
 
 def options(model: str, schedule: str, **changes) -> TrainOptions:
     settings = dict(model=model, schedule=schedule, steps=8, microbatches=4, batch=8, quiet=True)
-    return TrainOptions(**{**settings, **changes})
+    return TrainOptions.build(**{**settings, **changes})
 
 
 #: the one-process references: the default run, and 3 steps of the 16-sequence batch (DP tests)

@@ -16,14 +16,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cutpipe.arguments import add_arguments, from_arguments
 from cutpipe.cli.common import description, fmt, require_torch
-from cutpipe.train.options import TrainOptions
+
+if TYPE_CHECKING:
+    from cutpipe.train.options import TrainOptions
 
 
 def register(commands: argparse._SubParsersAction) -> None:
+    from cutpipe.train.options import TrainOptions  # torch-free, as the train layer's options
+
     parser = commands.add_parser(
         "train", help="train a model (a model file, or the example MLP) with a schedule",
         description=description(__doc__),
@@ -35,6 +39,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 def options_from(args: argparse.Namespace) -> TrainOptions:
     """The run the command line asks for; a schedule file's path made absolute (workers may
     start elsewhere)."""
+    from cutpipe.train.options import TrainOptions
+
     options = from_arguments(TrainOptions, args)
     for name in ("schedule_file", "plan"):
         path = getattr(options, name)
