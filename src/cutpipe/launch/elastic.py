@@ -14,11 +14,13 @@ dies with its launcher if the launcher is killed outright (``cutpipe.launch.orph
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 #: Set by torchrun and the elastic agent in every worker they start.
@@ -100,6 +102,10 @@ def run_workers(arguments: list[str], plan: Launch) -> None:
         timer.daemon = True
         timer.start()
     handlers = _signal_handlers()  # the agent installs its own and leaves them behind
+    # our own SIGTERM at the deadline is no news: the message below says what happened
+    quiet = _DropWhen(timed_out.is_set)
+    for name in AGENT_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
     try:
         elastic_launch(config, sys.executable)("-m", "cutpipe", *arguments)
     except ChildFailedError as error:
@@ -114,10 +120,23 @@ def run_workers(arguments: list[str], plan: Launch) -> None:
             raise SystemExit(128 + int(signum)) from None
         raise
     finally:
+        for name in AGENT_LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
         if timer is not None:
             timer.cancel()
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
+
+
+class _DropWhen(logging.Filter):
+    """Drops every record while ``when()`` holds."""
+
+    def __init__(self, when: Callable[[], bool]) -> None:
+        super().__init__()
+        self._when = when
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self._when()
 
 
 def _timed_out(plan: Launch) -> str:
@@ -129,6 +148,11 @@ def _timed_out(plan: Launch) -> str:
     )
 
 
+#: Where the agent logs how it stops its workers.
+AGENT_LOGGERS = (
+    "torch.distributed.elastic.agent.server.api",
+    "torch.distributed.elastic.multiprocessing.api",
+)
 #: What the elastic agent handles while its workers run (torch's TORCHELASTIC_SIGNALS_TO_HANDLE).
 AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 

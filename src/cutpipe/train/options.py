@@ -335,6 +335,11 @@ class TrainOptions:
                 "--emulate sleeps instead of computing: it trains nothing, so it takes no "
                 "--checkpoint-dir, --dp or --grad-accum"
             )
+        if self.trace and self.step_boundary == "overlap":
+            problems.append(
+                "--trace records the last step's timeline, which needs --step-boundary sync "
+                "(overlapped steps share their boundaries)"
+            )
         if self.emulate and self.runner_steps:
             problems.append(
                 "--emulate trains nothing: drop --step-boundary overlap and --skip-nonfinite"
