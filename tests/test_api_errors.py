@@ -27,7 +27,7 @@ from cutpipe.plan.costs.model import gpu
 from cutpipe.plan.costs.profile import Profile
 from cutpipe.plan.partition import MAX_BALANCED_OPS, balance
 from cutpipe.plan.recommend.recommend import recommend
-from cutpipe.plan.search.scheduler import MAX_SEARCHED_OPS, cost_aware
+from cutpipe.plan.search.tune import MAX_SEARCHED_OPS, cost_aware
 from cutpipe.schedule import MAX_OPS, SCHEDULES
 from cutpipe.schedule.generators import interleaved, zbv
 from cutpipe.spec import ModelSpec
