@@ -59,13 +59,19 @@ def job_items(job: Job, ep: int, training: Training = PLAIN) -> list[ItemCost]:
 
 
 def check_layout(job: Job, layout: Layout, training: Training) -> None:
-    """A ValueError if ``layout`` under ``training`` is not a split of ``job``'s devices."""
+    """A TypeError or ValueError if ``layout`` under ``training`` is not a split of ``job``'s
+    devices (a setting's TP is the layout's, and ZeRO shards over its DP)."""
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a Layout, got {layout!r}")
     if not isinstance(training, Training):
         raise TypeError(f"training must be a Training, got {training!r}")
     if training.tp != layout.tp:
         raise ValueError(f"the layout has TP={layout.tp}, its training setting TP={training.tp}")
+    if training.zero and training.dp != layout.dp:
+        raise ValueError(
+            f"ZeRO-{training.zero} shards over the layout's DP={layout.dp}, but the training "
+            f"setting says dp={training.dp}: give Training(zero={training.zero}, dp={layout.dp})"
+        )
     if layout.devices != job.devices:
         raise ValueError(
             f"PP={layout.pp} x DP={layout.dp} x TP={layout.tp} is {layout.devices} devices, the "
