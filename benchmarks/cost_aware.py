@@ -20,7 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 from cutpipe.plan.search.bounds import bubble_lower_bound
-from cutpipe.plan.search.scheduler import FIXED, cost_aware, default_cap, placement_for
+from cutpipe.plan.search.caps import default_cap
+from cutpipe.plan.search.tune import FIXED, cost_aware, placement_for
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.memory import peak_activations

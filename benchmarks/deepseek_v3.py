@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cutpipe.model_config import load_model_config
 from cutpipe.plan.costs.model import Training, gpu, model_items
-from cutpipe.plan.recommend.recommend import USABLE_MEMORY, Plan, evaluate, recommend
+from cutpipe.plan.recommend.recommend import Job, Layout, Plan, evaluate, recommend
 
 MODEL = Path(__file__).parent.parent / "examples" / "models" / "deepseek-v3-like.yaml"
 DEVICES, BATCH = 2048, 15360
@@ -62,11 +62,13 @@ def main() -> None:
         print(f"{rank}. {plan.schedule_label()} {plan.layout()} {plan.training.short()}: "
               f"{plan.tokens_per_second:,.0f} tokens/s, bubble {plan.bubble:.1%}, "
               f"{plan.peak_memory / 1e9:.1f} GB")  # fmt: skip
-    capacity = USABLE_MEMORY * hardware.memory
+    job, layout = (
+        Job(model, hardware, DEVICES, BATCH),
+        Layout(16, 128, 64, "dualpipe", BATCH // 128),
+    )
     published = None
     for recompute in ("none", "selective", "full"):
-        outcome = evaluate(model, hardware, DEVICES, 16, 64, "dualpipe", BATCH // 128, capacity,
-                           training=Training(zero=1, dp=128, recompute=recompute))  # fmt: skip
+        outcome = evaluate(job, layout, Training(zero=1, dp=128, recompute=recompute))
         print(f"published layout, recompute {recompute}: "
               + (f"{outcome.tokens_per_second:,.0f} tokens/s" if isinstance(outcome, Plan)
                  else outcome.reason))  # fmt: skip

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import random
 
+from cutpipe.plan.search.caps import default_cap
 from cutpipe.plan.search.exact import OBJECTIVES, exact_schedule
-from cutpipe.plan.search.scheduler import cost_aware, default_cap
+from cutpipe.plan.search.tune import cost_aware
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate

@@ -23,11 +23,11 @@ from cutpipe import (
     simulate,
     validate,
 )
-from cutpipe.plan.costs.model import gpu
+from cutpipe.plan.costs.model import Training, gpu
 from cutpipe.plan.costs.profile import Profile
 from cutpipe.plan.partition import MAX_BALANCED_OPS, balance
-from cutpipe.plan.recommend.recommend import recommend
-from cutpipe.plan.search.scheduler import MAX_SEARCHED_OPS, cost_aware
+from cutpipe.plan.recommend.recommend import Job, Layout, evaluate, recommend
+from cutpipe.plan.search.tune import MAX_SEARCHED_OPS, cost_aware
 from cutpipe.schedule import MAX_OPS, SCHEDULES
 from cutpipe.schedule.generators import interleaved, zbv
 from cutpipe.spec import ModelSpec
@@ -226,6 +226,21 @@ def test_recommend_names_other_wrong_arguments():
         recommend(model, gpu("A100"), 8, schedules="1f1b")
     with pytest.raises(ValueError, match="use a smaller global batch"):
         recommend(model, gpu("A100"), 8, global_batch=10**9)
+
+
+def test_evaluate_refuses_a_layout_that_is_not_the_jobs():
+    model = ModelSpec.load(EXAMPLES / "dense-7b.yaml")
+    job = Job(model, gpu("A100"), 8)
+    with pytest.raises(ValueError, match="PP=2 x DP=2 x TP=1 is 4 devices, the job has 8"):
+        evaluate(job, Layout(2, 2, 1, "1f1b", 8))
+    with pytest.raises(ValueError, match="the layout has TP=1, its training setting TP=2"):
+        evaluate(job, Layout(2, 4, 1, "1f1b", 8), Training(tp=2))
+    with pytest.raises(ValueError, match="ZeRO-1 shards over the layout's DP=4"):
+        evaluate(job, Layout(2, 4, 1, "1f1b", 8), Training(zero=1, dp=2))
+    with pytest.raises(ValueError, match="layout: pp must be >= 1"):
+        Layout(0, 4, 1, "1f1b", 8)
+    with pytest.raises(ValueError, match="step_boundary must be one of"):
+        Job(model, gpu("A100"), 8, step_boundary="async")
 
 
 def test_plan_searches_refuse_absurd_sizes_before_searching():

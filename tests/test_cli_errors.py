@@ -149,6 +149,8 @@ def test_pictures_have_a_lower_limit_than_schedules(capsys, tmp_path):
      ["simulate", "-s", "1f1b", "-r", "2", "-m", "2", "--timeline", "nodir/t.json"],
      ["draw", "-s", "1f1b", "-r", "2", "-m", "2", "-o", "nodir/x.png"],
      ["profile", "--model", DENSE, "-o", "nodir/p.json"],
+     [*PARTITION, "-o", "nodir/plan.json"],
+     ["recommend", "-n", "8", "--gpu", "A100", "--model", DENSE, "-o", "nodir/plan.json"],
      ["train", "-s", "1f1b", "-n", "2", "--trace", "nodir/t.json"]],
 )  # fmt: skip
 def test_an_unwritable_output_is_refused_before_any_work(capsys, monkeypatch, tmp_path, args):

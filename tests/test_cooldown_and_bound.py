@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from cutpipe.cli.main import main
 from cutpipe.plan.search.bounds import v_bubble_lower_bound, v_span_lower_bound
 from cutpipe.plan.search.cooldown import critical_path_tail, settle_cooldown
-from cutpipe.plan.search.scheduler import cost_aware
+from cutpipe.plan.search.tune import cost_aware
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.schedule.validate import validate
 from cutpipe.sim.costs import Costs

@@ -1,4 +1,4 @@
-"""Cost-aware zero-bubble schedules (cutpipe.plan.search.scheduler)."""
+"""Cost-aware zero-bubble schedules (cutpipe.plan.search.tune and its passes)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cutpipe.plan.search.bounds import bubble_lower_bound, v_bubble_lower_bound
+from cutpipe.plan.search.caps import default_cap
 from cutpipe.plan.search.expedite import expedite
 from cutpipe.plan.search.frontier import span_first
-from cutpipe.plan.search.scheduler import FIXED, cost_aware, default_cap
+from cutpipe.plan.search.tune import FIXED, cost_aware
 from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.schedule.validate import validate
@@ -108,7 +109,7 @@ def test_a_cap_below_one_activation_per_stage_is_refused():
 def test_per_stage_costs_as_the_planner_gives_them_are_searched_under_their_cap():
     """Per-stage lists (the planner's and a profile's form) used to fail on the smallest-peak
     check, which asked the costs for a one-rank placement's stage count."""
-    from cutpipe.plan.search.scheduler import smallest_cap
+    from cutpipe.plan.search.caps import smallest_cap
     from cutpipe.schedule import Placement
 
     costs = Costs(f=[1] * 8, b=[1] * 8, w=[0.5] * 8, activation=[1, 1, 1, 1, 2, 2, 2, 2])

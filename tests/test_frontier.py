@@ -12,6 +12,7 @@ from hypothesis import given, settings
 
 from cutpipe.cli.main import main
 from cutpipe.plan.search.bounds import span_bubble, warmup_span_lower_bound
+from cutpipe.plan.search.caps import default_cap
 from cutpipe.plan.search.frontier import (
     FACTORS,
     frontier,
@@ -20,8 +21,9 @@ from cutpipe.plan.search.frontier import (
     span_first,
     w_memory_sweep,
 )
+from cutpipe.plan.search.round_trips import round_trips
 from cutpipe.plan.search.rounds import rounds_schedule
-from cutpipe.plan.search.scheduler import FIXED, cost_aware, default_cap, round_trips
+from cutpipe.plan.search.tune import FIXED, cost_aware
 from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.registry import generate, schedule_info
 from cutpipe.schedule.validate import validate

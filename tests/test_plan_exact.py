@@ -12,8 +12,9 @@ import pytest
 
 pytest.importorskip("ortools")
 
+from cutpipe.plan.search.caps import default_cap, within
 from cutpipe.plan.search.exact import exact_schedule
-from cutpipe.plan.search.scheduler import cost_aware, default_cap, within
+from cutpipe.plan.search.tune import cost_aware
 from cutpipe.schedule.codes import B_CODE, F_CODE, W_CODE, Codec
 from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.registry import schedule_info

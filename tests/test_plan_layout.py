@@ -12,7 +12,14 @@ from cutpipe.cli.main import main
 from cutpipe.plan import progress as progress_module
 from cutpipe.plan.costs.model import gpu, model_items, optimizer_time, p2p_time, w_memory
 from cutpipe.plan.partition import balance, evaluate, even_sizes, stage_costs
-from cutpipe.plan.recommend.recommend import USABLE_MEMORY, reason, recommend, ring_allreduce
+from cutpipe.plan.recommend.recommend import (
+    USABLE_MEMORY,
+    Job,
+    Layout,
+    reason,
+    recommend,
+    ring_allreduce,
+)
 from cutpipe.plan.recommend.recommend import evaluate as evaluate_plan
 from cutpipe.schedule.registry import generate
 from cutpipe.sim.metrics import metrics
@@ -80,7 +87,8 @@ def test_recommend_seed_moe_on_eight_a100():
 def test_gradient_all_reduce_spares_experts_that_no_other_rank_holds():
     """With EP = DP every expert lives on one rank: only the dense parameters are all-reduced."""
     model, a100 = ModelSpec.load(EXAMPLES / "moe-40l.yaml"), gpu("A100")
-    plan = evaluate_plan(model, a100, 8, 1, 8, "1f1b", 16, 80e9)
+    job = Job(model, a100, 8, memory=80e9, usable_memory=1.0)
+    plan = evaluate_plan(job, Layout(pp=1, dp=8, ep=8, schedule="1f1b", microbatches=16))
     items = model_items(model, a100, ep=8)
     comm = p2p_time(model, a100, within_node=True)
     costs = stage_costs(items, [len(items)], comm, w_memory(model))

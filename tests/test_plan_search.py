@@ -11,6 +11,8 @@ from cutpipe.plan.costs.model import Training, gpu, model_items, p2p_time, w_mem
 from cutpipe.plan.partition import rank_balanced_sizes, stage_costs
 from cutpipe.plan.recommend.recommend import (
     DEFAULT_SCHEDULES,
+    Job,
+    Layout,
     Plan,
     Rejected,
     Search,
@@ -100,8 +102,8 @@ def test_the_throughput_bound_is_never_beaten_and_pruning_keeps_the_leaders():
     search = Search.checked(None, None, "bf16", None, H100, DENSE, None)
     cache: dict = {}
     for plan in every:
-        layout = (plan.pp, plan.tp, plan.ep, plan.schedule, plan.microbatches)
-        bound = throughput_bound(DENSE, H100, 16, layout, None, search, cache)
+        layout = Layout(plan.pp, plan.dp, plan.ep, plan.schedule, plan.microbatches, plan.tp)
+        bound = throughput_bound(Job(DENSE, H100, 16), layout, search, cache)
         assert plan.tokens_per_second <= bound * (1 + 1e-9)
 
 
@@ -131,16 +133,16 @@ def test_deepseek_v3_on_2048_h800s():
     alone and must stay below the fifth."""
     model = load_model_config(EXAMPLES / "deepseek-v3-like.yaml")
     h800 = gpu("H800")
-    capacity = 0.95 * h800.memory
-    published = evaluate(model, h800, 2048, 16, 64, "dualpipe", 120, capacity,
-                         training=Training(zero=1, dp=128, recompute="full"))  # fmt: skip
+    job = Job(model, h800, 2048, global_batch=15360)  # 95 % of the memory usable
+    published = evaluate(job, Layout(16, 128, 64, "dualpipe", 120),
+                         Training(zero=1, dp=128, recompute="full"))  # fmt: skip
     assert isinstance(published, Plan), published
     schedules = [name for name in DEFAULT_SCHEDULES if name != "interleaved"]
     plans = recommend(model, h800, 2048, global_batch=15360, keep=12, schedules=schedules)
     assert published.tokens_per_second <= plans[0].tokens_per_second
     assert any(plan.schedule == "dualpipev" for plan in plans[:5])
-    interleaved = evaluate(model, h800, 2048, 8, 8, "interleaved:chunks=4", 60, capacity,
-                           training=Training(zero=1, dp=256, recompute="full"))  # fmt: skip
+    interleaved = evaluate(job, Layout(8, 256, 8, "interleaved:chunks=4", 60),
+                           Training(zero=1, dp=256, recompute="full"))  # fmt: skip
     assert isinstance(interleaved, Plan), interleaved
     assert interleaved.tokens_per_second < plans[4].tokens_per_second
 

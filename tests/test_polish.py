@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("ortools")
 
+from cutpipe.plan.search.caps import default_cap, within
 from cutpipe.plan.search.frontier import frontier, span_first
 from cutpipe.plan.search.polish import polish
-from cutpipe.plan.search.scheduler import cost_aware, default_cap, within
+from cutpipe.plan.search.tune import cost_aware
 from cutpipe.schedule.registry import generate
 from cutpipe.schedule.validate import validate
 from cutpipe.sim.costs import Costs

@@ -16,6 +16,8 @@ from cutpipe.plan.partition import even_sizes, rank_balanced_sizes, stage_costs
 from cutpipe.plan.recommend.recommend import (
     SINGLE_RANK,
     USABLE_MEMORY,
+    Job,
+    Layout,
     Plan,
     Rejected,
     divisors,
@@ -67,8 +69,9 @@ def test_span_ranking_never_longer_and_shorter_where_a_rank_idles_at_the_ends():
 
 
 def test_overlap_step_is_the_longest_span_plus_its_rank_all_reduce_and_bubble_the_span_one():
-    plan = evaluate(DENSE, H100, 8, 4, 1, "dualpipe", 32, 76e9, step_boundary="overlap")
-    sync = evaluate(DENSE, H100, 8, 4, 1, "dualpipe", 32, 76e9)
+    layout = Layout(pp=4, dp=2, ep=1, schedule="dualpipe", microbatches=32)
+    plan = evaluate(Job(DENSE, H100, 8, memory=80e9, step_boundary="overlap"), layout)
+    sync = evaluate(Job(DENSE, H100, 8, memory=80e9), layout)
     assert isinstance(plan, Plan) and isinstance(sync, Plan)
     items = model_items(DENSE, H100)
     costs = stage_costs(items, plan.stage_sizes, p2p_time(DENSE, H100, True), w_memory(DENSE))
@@ -120,7 +123,7 @@ def test_a_schedule_with_up_to_two_stages_more_than_layers_runs():
     assert [r.reason for r in rejected if r.pp == 16] == [
         "needs 2*PP=32 stages, the model has 29 layers + embedding + head = 31 items"
     ]
-    refused = evaluate(model, H100, 32, 32, 1, "zbv", 64, 76e9)
+    refused = evaluate(Job(model, H100, 32, memory=80e9), Layout(32, 1, 1, "zbv", 64))
     assert isinstance(refused, Rejected) and "2*PP=64 stages" in refused.reason
 
 

@@ -191,7 +191,7 @@ def test_torch_runtime_trains_cutpipe_schedules_exactly(world, tmp_path):
 
     from cutpipe.cli.main import main
     from cutpipe.launch import run
-    from cutpipe.plan.search.scheduler import cost_aware
+    from cutpipe.plan.search.tune import cost_aware
     from cutpipe.schedule.fileformat import save_schedule
     from cutpipe.sim import Costs, peak_activations
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from cutpipe.cli.main import main
 from cutpipe.plan.costs.model import gpu, model_items, w_memory
 from cutpipe.plan.costs.profile import Profile
-from cutpipe.plan.search.scheduler import FIXED, cost_aware, default_cap, within
+from cutpipe.plan.search.caps import default_cap, within
+from cutpipe.plan.search.tune import FIXED, cost_aware
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.schedule.validate import validate
 from cutpipe.sim.costs import Costs

@@ -8,13 +8,17 @@ from cutpipe.cli.common import (
     add_model_arguments,
     add_schedule_source,
     load_model_arguments,
+    output_file,
     positive_int,
     print_json,
     schedule_from_args,
 )
 from cutpipe.plan.costs.model import model_items, p2p_time, w_memory
-from cutpipe.plan.partition import balance, evaluate, even_sizes
-from cutpipe.plan.recommend.recommend import USABLE_MEMORY
+from cutpipe.plan.partition import Partition, balance, evaluate, even_sizes
+from cutpipe.plan.plan_file import PlanFile
+from cutpipe.plan.recommend.recommend import USABLE_MEMORY, label
+from cutpipe.schedule.schedule import Schedule
+from cutpipe.spec import ModelSpec
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -30,8 +34,34 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--ep", type=positive_int, default=1, help="expert-parallel size (MoE models)"
     )
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=output_file((".json",)),
+        metavar="FILE",
+        help="also write the balanced partition as a plan file (.json: the schedule, its "
+        "microbatches, blocks per stage) that cutpipe train --plan runs",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(run=run)
+
+
+def plan_file(
+    args: argparse.Namespace, model: ModelSpec, hardware_name: str, schedule: Schedule,
+    best: Partition,
+) -> PlanFile:  # fmt: skip
+    """The balanced partition as a plan file: one pipeline (DP = 1) of the schedule as given,
+    by its registry label (``--schedule``) or whole (``--from``), its step as predicted."""
+    given = label(args.schedule) if args.schedule_file is None else schedule
+    m = schedule.num_microbatches
+    return PlanFile(
+        model=model.name, layers=model.layers, schedule=given, microbatches=m,
+        stage_sizes=tuple(best.sizes), pp=schedule.num_ranks, ep=args.ep,
+        predicted={
+            "step_time": best.step_time, "tokens_per_second": model.tokens * m / best.step_time,
+            "peak_memory": max(best.memory), "hardware": hardware_name,
+        },
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,18 +80,21 @@ def run(args: argparse.Namespace) -> int:
     even = evaluate(schedule, items, even_sizes(items, schedule.num_stages), comm, kept)
     gain = 1 - best.step_time / even.step_time
     layers = [size - (s == 0) - (s == len(best.sizes) - 1) for s, size in enumerate(best.sizes)]
+    if args.output is not None:
+        plan_file(args, model, hardware.name, schedule, best).save(args.output)
     if args.json:
-        print_json(
-            {
-                "schedule": schedule.name,
-                "layers_per_stage": layers,
-                "step_time": best.step_time,
-                "even_step_time": even.step_time,
-                "gain": gain,
-                "memory_per_rank": best.memory,
-                "even_memory_per_rank": even.memory,
-            }
-        )
+        report = {
+            "schedule": schedule.name,
+            "layers_per_stage": layers,
+            "step_time": best.step_time,
+            "even_step_time": even.step_time,
+            "gain": gain,
+            "memory_per_rank": best.memory,
+            "even_memory_per_rank": even.memory,
+        }
+        if args.output is not None:
+            report["plan_file"] = str(args.output)
+        print_json(report)
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -85,4 +118,6 @@ def run(args: argparse.Namespace) -> int:
         f"split evenly: {gain:.1%} faster; fullest rank {max(best.memory) / 1e9:.1f} GB of "
         f"{cap / 1e9:.1f} GB usable"
     )
+    if args.output is not None:
+        print(f"wrote the partition to {args.output}")
     return 0

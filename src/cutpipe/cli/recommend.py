@@ -9,6 +9,7 @@ from dataclasses import asdict
 from cutpipe.cli.common import (
     add_model_arguments,
     load_model_arguments,
+    output_file,
     positive_int,
     print_json,
     schedule_names,
@@ -129,6 +130,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--verbose", action="store_true", help="also list the candidates left out, and why"
     )
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=output_file((".json",)),
+        metavar="FILE",
+        help="also write the winning plan as a plan file (.json: layout, schedule, "
+        "microbatches, stage sizes, training setting) that cutpipe train --plan runs",
+    )
     parser.add_argument("--json", action="store_true", help="print the plans as JSON")
     parser.set_defaults(run=run)
 
@@ -144,17 +153,20 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     measure = STEP_MEASURES[args.step_boundary]
     shown = plans[: args.top]
+    if args.output is not None:
+        plans[0].to_plan_file(model, hardware).save(args.output)
     if args.json:
-        print_json(
-            {
-                "step_boundary": args.step_boundary,
-                "step_measure": measure,
-                "usable_memory": args.usable_memory,
-                "plans": [asdict(plan) for plan in shown],
-                "rejected": [asdict(r) for r in rejected],
-                "reason": reason(plans, hardware),
-            }
-        )
+        report = {
+            "step_boundary": args.step_boundary,
+            "step_measure": measure,
+            "usable_memory": args.usable_memory,
+            "plans": [asdict(plan) for plan in shown],
+            "rejected": [asdict(r) for r in rejected],
+            "reason": reason(plans, hardware),
+        }
+        if args.output is not None:
+            report["plan_file"] = str(args.output)
+        print_json(report)
         return 0
     from rich import box
     from rich.console import Console
@@ -203,4 +215,6 @@ def run(args: argparse.Namespace) -> int:
         console.print(
             f"{len(rejected)} candidates did not fit or could not run (--verbose lists them)"
         )
+    if args.output is not None:
+        print(f"wrote the winning plan to {args.output}")
     return 0

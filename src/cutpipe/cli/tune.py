@@ -16,14 +16,8 @@ from cutpipe.cli.common import (
     real,
 )
 from cutpipe.plan.search.bounds import v_bubble_lower_bound
-from cutpipe.plan.search.scheduler import (
-    DEFAULT_EVALUATIONS,
-    FIXED,
-    SEARCHED_OPS,
-    cost_aware,
-    default_cap,
-    within,
-)
+from cutpipe.plan.search.caps import default_cap, within
+from cutpipe.plan.search.tune import DEFAULT_EVALUATIONS, FIXED, SEARCHED_OPS, cost_aware
 from cutpipe.schedule.fileformat import ENDINGS, save_schedule
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.sim.costs import MAX_COST, Costs

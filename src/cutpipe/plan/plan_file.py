@@ -55,14 +55,22 @@ class PlanFile:
     predicted: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        # a list given for the partition compares equal to the tuple read back from a file
+        if isinstance(self.stage_sizes, list):
+            object.__setattr__(self, "stage_sizes", tuple(self.stage_sizes))
+        object.__setattr__(self, "predicted", dict(self.predicted))
         problems = []
+        if not isinstance(self.model, str) or not self.model:
+            problems.append(f"model must be a name, got {self.model!r}")
         for name in ("layers", "microbatches", "pp", "dp", "ep", "tp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name} must be a whole number >= 1, got {value!r}")
-        if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in self.stage_sizes):
+        if not isinstance(self.stage_sizes, tuple) or not self.stage_sizes:
+            problems.append(f"stage_sizes must list blocks per stage, got {self.stage_sizes!r}")
+        elif any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in self.stage_sizes):
             problems.append(f"stage_sizes must be whole numbers >= 1, got {list(self.stage_sizes)}")
-        elif sum(self.stage_sizes) != self.layers + 2:
+        elif isinstance(self.layers, int) and sum(self.stage_sizes) != self.layers + 2:
             problems.append(
                 f"stage_sizes {list(self.stage_sizes)} hold {sum(self.stage_sizes)} blocks, but "
                 f"{self.model} has {self.layers + 2} (the embedding, {self.layers} layers, the head)"
@@ -72,6 +80,12 @@ class PlanFile:
         if self.recompute not in RECOMPUTE_MODES:
             problems.append(
                 f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
+            )
+        if not isinstance(self.fp8, bool):
+            problems.append(f"fp8 must be true or false, got {self.fp8!r}")
+        if not isinstance(self.schedule, (str, Schedule)) or self.schedule == "":
+            problems.append(
+                f"schedule must be a registry name or a Schedule, got {self.schedule!r}"
             )
         if isinstance(self.schedule, Schedule):
             if self.schedule.num_ranks != self.pp:
@@ -138,7 +152,7 @@ class PlanFile:
                 f"{source}: version {data['version']!r} is not {VERSION}: write it again with "
                 "this cutpipe's recommend -o or partition -o"
             )
-        layout = mapping(data["layout"], f"{source}: layout")
+        layout = require_keys(data["layout"], f"{source}: layout", ("pp",))
         training = mapping(data.get("training", {}), f"{source}: training")
         schedule = data["schedule"]
         if isinstance(schedule, dict):

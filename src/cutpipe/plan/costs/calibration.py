@@ -28,7 +28,8 @@ from cutpipe.plan.costs.model import (
     p2p_time,
 )
 from cutpipe.plan.partition import stage_costs
-from cutpipe.plan.search.scheduler import cost_aware, default_cap
+from cutpipe.plan.search.caps import default_cap
+from cutpipe.plan.search.tune import cost_aware
 from cutpipe.schedule.registry import generate
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.metrics import metrics

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 from cutpipe.plan.costs.hardware import GPUS
 from cutpipe.plan.costs.model import Hardware, model_items
+from cutpipe.plan.recommend.job import Job
 from cutpipe.plan.recommend.plans import Plan, Rejected
-from cutpipe.spec import ModelSpec
 
 
 def too_few_items(stages: int, pp: int, items: int) -> str:
@@ -30,11 +30,10 @@ def over_memory(memory: Sequence[float], capacity: float) -> str:
     )
 
 
-def does_not_fit(
-    model: ModelSpec, hardware: Hardware, devices: int, closest: Rejected, capacity: float,
-    usable_memory: float,
-) -> str:  # fmt: skip
+def does_not_fit(job: Job, closest: Rejected) -> str:
     """Nothing fits: the plan that came closest, by how much, and the cheapest change."""
+    model, hardware, devices = job.model, job.hardware, job.devices
+    capacity, usable_memory = job.capacity, job.usable_memory
     need = capacity + closest.excess
     gpu_memory = need / usable_memory
     bigger = sorted((g.memory, g.name) for g in GPUS.values() if g.memory * usable_memory >= need)

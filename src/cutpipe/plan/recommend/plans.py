@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cutpipe.plan.costs.model import PLAIN, Training
+from cutpipe.plan.costs.model import PLAIN, Hardware, Training
+from cutpipe.plan.plan_file import PlanFile
 from cutpipe.plan.recommend.footprint import Footprint
 from cutpipe.schedule.registry import schedule_info
+from cutpipe.spec import ModelSpec
 
 #: The chunks tried for a schedule that takes them and is named without them (``interleaved``).
 CHUNK_CHOICES = (2, 4)
@@ -60,6 +62,22 @@ class Plan:
         if self.schedule in OVERLAPPING:
             return "no pipeline, F&B overlap"
         return "no pipeline"
+
+    def to_plan_file(self, model: ModelSpec, hardware: Hardware) -> PlanFile:
+        """This plan for ``model`` as ``cutpipe recommend -o`` writes it, for ``train --plan``:
+        the layout, the schedule's label, the stage sizes it was priced with, the training
+        setting and what it predicts on ``hardware``."""
+        training = self.training
+        return PlanFile(
+            model=model.name, layers=model.layers, schedule=self.schedule,
+            microbatches=self.microbatches, stage_sizes=tuple(self.stage_sizes), pp=self.pp,
+            dp=self.dp, ep=self.ep, tp=self.tp, zero=training.zero,
+            recompute=training.recompute, fp8=training.fp8,
+            predicted={
+                "step_time": self.step_time, "tokens_per_second": self.tokens_per_second,
+                "peak_memory": self.peak_memory, "hardware": hardware.name,
+            },
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

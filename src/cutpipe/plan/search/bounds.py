@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from contextlib import suppress
 
-from cutpipe.plan.search.scheduler import round_trips
+from cutpipe.plan.search.round_trips import round_trips
 from cutpipe.records import check_count
 from cutpipe.schedule.placement import Placement
 from cutpipe.sim.costs import Costs

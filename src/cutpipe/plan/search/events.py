@@ -1,6 +1,6 @@
 """Ranks advancing in simulated time: the event loop the planners share.
 
-``scheduler.list_schedule``, ``scheduler.fill_weights`` and ``cooldown.critical_path_tail`` each
+``list_schedule``, ``fill.fill_weights`` and ``cooldown.critical_path_tail`` each
 build rank orders by simulating: a rank that is free picks its next op from those whose input
 has arrived, runs it, and wakes when it ends. They differ only in how a rank picks (their policy);
 ``Ranks`` holds the rest: when each rank is free, the order it has chosen, the queue of (time,

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from itertools import pairwise
 
-from cutpipe.plan.search import caps, scheduler
+from cutpipe.plan.search import caps
+from cutpipe.plan.search.tune import cost_aware
 from cutpipe.records import check_count
 from cutpipe.schedule.codes import B_CODE, BW_CODE, F_CODE, KIND_BITS, KIND_MASK, W_CODE, Codec
 from cutpipe.schedule.dataflow import ACTIVATION, Dataflow
@@ -105,10 +106,10 @@ def _check(placement: str, ranks: int, m: int, costs: Costs, cap: float | None, 
         raise ValueError(f"exact_schedule: {ops} ops (F, B, W x {kind.num_stages} stages x {m} "
                          f"microbatches) is above max_ops={max_ops}: use fewer microbatches or "
                          "ranks")  # fmt: skip
-    cap = scheduler.default_cap(placement, ranks, costs) if cap is None else cap
+    cap = caps.default_cap(placement, ranks, costs) if cap is None else cap
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap):
         raise ValueError(f"exact_schedule: memory_cap must be a finite number, got {cap!r}")
-    if not caps.within(smallest := scheduler.smallest_cap(kind, costs), cap):
+    if not caps.within(smallest := caps.smallest_cap(kind, costs), cap):
         raise ValueError(f"memory cap {cap:g} is below the smallest possible peak {smallest:g}: "
                          "a rank must hold one activation of each stage it runs")  # fmt: skip
     return kind, cap
@@ -227,7 +228,7 @@ def exact_schedule(
         model.AddMaxEquality(goal, [end[c] for c in ops])
     model.Minimize(goal)
     try:
-        found = scheduler.cost_aware(placement, ranks, m, costs, cap, OBJECTIVES[objective], 0.0)
+        found = cost_aware(placement, ranks, m, costs, cap, OBJECTIVES[objective], 0.0)
         _hint(model, found, units, comm, start, arcs)
     except ValueError:  # no greedy order fits the cap: the search starts from nothing
         pass

@@ -6,7 +6,7 @@ the ops its rank ran in between delayed the whole chain; moving the op before th
 chain by up to that wait (they then run after it, and the simulator says what that costs). On
 the frontier's shapes the chain is the last microbatches' forwards up the pipe and their
 backwards down, and each rank it crosses holds it up a little with a W or another backward:
-adjacent swaps on the longest-span rank (``scheduler.improve``) never reach those ranks within
+adjacent swaps on the longest-span rank (``local_search``) never reach those ranks within
 their budget, and one such move alone rarely shortens the step, since the chain's other waits
 still hold it, so moves that keep the step and get its F and B passes done sooner are kept too.
 Often the op that holds the chain up is a W that started just before the chain's input arrived:
@@ -69,7 +69,7 @@ def _waits(
         i -= 1
 
 
-def _moves(ops: tuple[int, ...], i: int, earliest: int) -> Iterator[list[int]]:
+def _orders_starting_sooner(ops: tuple[int, ...], i: int, earliest: int) -> Iterator[list[int]]:
     """Orders that start op ``i`` sooner: the op moved to each place from ``i - 1`` back to
     ``earliest``, then each W pass in between moved past it, up to ``W_REACH`` places later."""
     for there in range(i - 1, earliest - 1, -1):
@@ -84,7 +84,7 @@ def _moves(ops: tuple[int, ...], i: int, earliest: int) -> Iterator[list[int]]:
 
 def passes_done(schedule: Schedule, timeline: Timeline) -> float:
     """The sum of the ends of every F and B (W passes left out): the tie-break of this search
-    and of the scheduler's local search. Among orders of equal objective it prefers those that
+    and of ``local_search``. Among orders of equal objective it prefers those that
     get the critical passes done sooner, which is how a search crosses plateaus that two moves on
     two ranks would cross together."""
     return sum(
@@ -118,9 +118,9 @@ def expedite(
     schedule: Schedule, costs: Costs, cap: float, score: Callable, evaluations: int,
     patience: int | None = None,
 ) -> Schedule:  # fmt: skip
-    """Move ops that wait for their rank on the critical path earlier (``_waits``, ``_moves``),
-    keeping a move when the step scores better, or the same with its F and B passes done sooner,
-    and the cap holds; at most ``evaluations`` simulations, and at most ``patience`` in a row
+    """Move ops that wait for their rank on the critical path earlier (``_waits``,
+    ``_orders_starting_sooner``), keeping a move when the step scores better, or the same with
+    its F and B passes done sooner, and the cap holds; at most ``evaluations`` simulations, and at most ``patience`` in a row
     that do not score better (a chain that keeps shortening gets the budget, one that does not
     stops early). Schedules with overlapped pairs or several pipes come back unchanged."""
     if schedule.placement.num_pipes != 1 or any(c < 0 for ops in schedule.codes for c in ops):
@@ -133,7 +133,7 @@ def expedite(
     while improved and min(budget, left) > 0:
         improved = False
         for rank, i, earliest in _waits(best, timeline, latency):
-            for ops in _moves(best.codes[rank], i, earliest):
+            for ops in _orders_starting_sooner(best.codes[rank], i, earliest):
                 if min(budget, left) <= 0:
                     break
                 budget, left = budget - 1, left - 1

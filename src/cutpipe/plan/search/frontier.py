@@ -6,7 +6,7 @@ two chunks (``Costs.scaled(2)``), so both placements hold the same layers per ra
 caps are in the same units. Each placement's caps are searched in increasing order, each
 search starting from the best schedule of the cap below it, so more memory never gives a worse
 schedule. The fixed schedules are marked at their own peaks; the lower bounds of
-``plan.bounds`` say how far from the best possible each point can be.
+``bounds`` say how far from the best possible each point can be.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from cutpipe.plan.search.bounds import bubble_lower_bound
+from cutpipe.plan.search.caps import default_cap
 from cutpipe.plan.search.polish import polish
-from cutpipe.plan.search.scheduler import cost_aware, default_cap, placement_for
+from cutpipe.plan.search.tune import cost_aware, placement_for
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs

@@ -1,6 +1,6 @@
 """Polish a schedule with CP-SAT: every op re-timed within a window of its start, on all ranks at once.
 
-The local search (``plan.scheduler.improve``) and expediting (``plan.expedite``) move one op on
+The local search (``plan.search.local_search``) and expediting (``plan.search.expedite``) move one op on
 one rank per simulation, and stop where every such move makes the step longer: on the
 zero-bubble paper's V at 1.5x 1F1B's memory, at a span bubble of 0.0069 (docs/plan.md). What
 is left there needs ops on many ranks to move together. This module hands the whole step to

@@ -1,4 +1,4 @@
-"""A V schedule built in rounds, for the cost-aware search (``plan.scheduler.cost_aware``).
+"""A pass of the cost-aware search (``tune.cost_aware``): a V schedule built in rounds.
 
 After a warm-up that fills the pipe, each round every rank places one backward and then one
 forward, so the microbatches in flight stay fixed, and W passes are held back for the cool-down
