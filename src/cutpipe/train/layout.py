@@ -100,8 +100,8 @@ def _check_plan(plan: PlanFile, path: str, ranks: int, task: Task) -> None:
             f"{plan.pp * plan.dp} processes; this run has {ranks * plan.dp}: start "
             f"{plan.pp * plan.dp} (--nproc x --nnodes)"
         )
-    if plan.layers + 2 != task.num_blocks():
+    if plan.layers + 2 != task.num_blocks() or plan.model != task.name:
         raise ValueError(
             f"--plan {path} cuts {plan.model} ({plan.layers} layers), but --model is "
-            f"{task.name} with {task.num_blocks() - 2}: plan this model, or train that one"
+            f"{task.name} ({task.num_blocks() - 2} layers): plan this model, or train that one"
         )

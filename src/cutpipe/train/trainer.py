@@ -148,7 +148,7 @@ class Trainer:
         )  # fmt: skip
         self.runner = PipelineRunner(
             self.schedule, self.parallel.stages, self.task.loss(), group=self.mesh.pp_group,
-            record_timeline=options.step_boundary == "sync", step_timeout=options.step_timeout,
+            record_timeline=self.records_timelines, step_timeout=options.step_timeout,
             reducer=self.parallel.reducer, **boundary,
         )  # fmt: skip
         # what this rank holds, under the unsplit model's names: what its checkpoints save (with
@@ -176,6 +176,25 @@ class Trainer:
             self.schedule, None, emulate=options.costs or Costs(), time_unit=options.time_unit,
             record_timeline=True, step_timeout=options.step_timeout, group=self.mesh.pp_group,
         )  # fmt: skip
+
+    @property
+    def records_timelines(self) -> bool:
+        """Whether steps record their timeline: not when steps overlap (a recorded step starts
+        with a barrier)."""
+        return self.options.emulate or self.options.step_boundary == "sync"
+
+    def describe(self) -> str:
+        """One line: what runs where, and whose partition it is."""
+        layout, options = self.layout, self.options
+        where = f"{layout.pipeline_ranks} ranks" + (
+            f" x {layout.dp} replicas" if layout.dp > 1 else ""
+        )
+        source = f"from {options.plan}" if options.plan else "the trainer's default"
+        sizes = ", ".join(map(str, layout.stage_sizes))
+        return (
+            f"{self.task.name}: {self.schedule.name} on {where}, {self.schedule.num_microbatches} "
+            f"microbatches, blocks per stage {sizes} ({source})"
+        )
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -361,6 +380,8 @@ def train(options: TrainOptions) -> dict[str, Any]:
 
     trainer = Trainer(options)
     rank = trainer.rank
+    if rank == 0 and not options.quiet:
+        print(trainer.describe(), flush=True)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     resumed = trainer.resume() if (options.resume or restarted) else None
     log = MetricsLog(options.log, append=resumed is not None) if rank == 0 else None
@@ -393,7 +414,7 @@ def train(options: TrainOptions) -> dict[str, Any]:
                     log.write(record)
                 if progress is not None:
                     progress.update(record)
-        timeline = trainer.runner.timeline()
+        timeline = trainer.runner.timeline() if trainer.records_timelines else None
         failed = False
     finally:
         profiler.close()
@@ -415,4 +436,6 @@ def train(options: TrainOptions) -> dict[str, Any]:
         "checkpoint_stall": stalls,
         "records": [r.to_dict() for r in records],
         "timeline": None if timeline is None else timeline.to_dict(),
+        "stage_sizes": list(trainer.layout.stage_sizes),
+        "blocks": [] if trainer.parallel is None else list(trainer.held.block_names),
     }
