@@ -18,12 +18,14 @@ from cutpipe.train.checkpoint import (
     POINTER,
     Checkpointer,
     CheckpointError,
+    export_checkpoint,
     latest_checkpoint,
     load,
+    read_safetensors,
     save,
     step_folder,
+    write_safetensors,
 )
-from cutpipe.train.export import export_checkpoint, read_safetensors, write_safetensors
 
 # a Checkpointer without a process group saves in DCP's writer thread, which warns that it
 # assumes a single process: that is the intent here

@@ -1,0 +1,271 @@
+"""Saving: every rank writes its part in the background while training goes on, and rank 0 marks
+the checkpoint complete once every part is on disk.
+
+``Checkpointer.save`` blocks only while the state is copied (``dcp.async_save``); a writer thread
+then waits for every rank's part, marks the folder complete, moves ``latest`` and prunes old
+checkpoints (``folders``). Background writes use a gloo group of their own, so that they never
+interleave with the training's collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from cutpipe.train.checkpoint.agreement import check_agreement, layout_fingerprint
+from cutpipe.train.checkpoint.errors import CheckpointError
+from cutpipe.train.checkpoint.folders import (
+    FORMAT,
+    is_complete,
+    latest_checkpoint,
+    point_latest,
+    prune,
+    remove_checkpoint,
+    step_folder,
+    write_mark,
+)
+from cutpipe.train.checkpoint.load import Restored, load
+from cutpipe.train.checkpoint.ranks import Ranks, alone_quietly, default_group
+from cutpipe.train.checkpoint.state import extra_text, rank_state
+
+
+def _check_step(step: int) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a whole number >= 0, got {step!r}")
+
+
+class Checkpointer:
+    """Saves checkpoints of this rank's model into ``directory`` (``DIR/step-NNNNNN``), in the
+    background by default, keeping the ``keep`` newest complete ones (None: all).
+
+    Every rank of the group builds one and calls ``save`` at the same steps. Without
+    ``process_group`` it makes its own gloo group over the whole world (a collective call), so
+    that the background writes never interleave with the training's collectives; a pipeline that
+    is a subgroup of the world passes a gloo group of its ranks. ``save`` blocks only to copy the
+    state (``stall`` says how long) and waits first for the previous save. ``wait`` returns when
+    the pending checkpoint is complete on every rank, ``latest`` updated; ``close`` waits and lets
+    the group go.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        keep: int | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        asynchronous: bool = True,
+    ) -> None:
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep must be a whole number >= 1 or None (keep all), got {keep!r}")
+        self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise NotADirectoryError(f"{self.directory} is a file: give a folder for checkpoints")
+        self.keep = keep
+        self.asynchronous = asynchronous
+        self._own_group = None
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = self._own_group = dist.new_group(backend="gloo")
+        self._ranks = Ranks.of(process_group)
+        self._pending: Future[Path] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self.stall = 0.0  # seconds the last save() kept its caller waiting
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        return self._ranks.group
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Path:
+        """Start the checkpoint of the state after ``step``; returns its folder once the state is
+        copied (or written, if not asynchronous). ``extra`` must be the same on every rank."""
+        started = time.perf_counter()
+        self.wait()
+        text, mistake = "{}", None
+        try:
+            _check_step(step)
+            text = extra_text(extra)
+        except (TypeError, ValueError) as error:
+            mistake = str(error)  # told to every rank, so that none waits for this one
+        folder = step_folder(self.directory, step if mistake is None else 0)
+        problem = None
+        if self._ranks.rank == 0 and mistake is None:
+            problem = self._prepare_folder(folder)
+        said = self._ranks.gather((mistake, problem, step, text, layout_fingerprint(model)))
+        check_agreement(said)
+        state = rank_state(self._ranks.rank, step, model, optimizer, scheduler, text)
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": self._ranks.size,
+            "layouts": [entry[4] for entry in said],
+        }
+        no_dist = self._ranks.group is None
+        if self.asynchronous:
+            written = dcp.async_save(
+                state, checkpoint_id=folder, process_group=self._ranks.group, no_dist=no_dist
+            )
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="cutpipe-checkpoint")
+            self._pending = self._executor.submit(self._finish, written, folder, manifest)
+        else:
+            with alone_quietly(no_dist):
+                dcp.save(
+                    state, checkpoint_id=folder, process_group=self._ranks.group, no_dist=no_dist
+                )
+            done: Future[Path] = Future()
+            try:
+                done.set_result(self._finish(None, folder, manifest))
+            except Exception as error:
+                done.set_exception(error)
+            self._pending = done
+            self.wait()
+        self.stall = time.perf_counter() - started
+        return folder
+
+    def _prepare_folder(self, folder: Path) -> str | None:
+        """Rank 0, before anyone writes: clear ``folder`` of a save that never became the latest
+        (a crash before the mark or the pointer, or a run resumed from an earlier step)."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if folder.exists():
+                if is_complete(folder) and latest_checkpoint(self.directory) == folder:
+                    return (
+                        f"{folder} is the latest complete checkpoint: each save needs a new "
+                        "step (delete that folder to save this step again)"
+                    )
+                remove_checkpoint(folder)
+        except OSError as error:
+            return f"cannot write checkpoints into {self.directory}: {error}"
+        return None
+
+    def _finish(self, written: Future | None, folder: Path, manifest: dict[str, Any]) -> Path:
+        """Wait for every rank's part, then (rank 0) mark the checkpoint complete."""
+        if written is not None:
+            written.result()
+        if self._ranks.rank == 0:
+            self._mark(folder, manifest)
+            self._point(folder)
+            if self.keep is not None:
+                prune(self.directory, self.keep, manifest["step"])
+        return folder
+
+    def _mark(self, folder: Path, manifest: dict[str, Any]) -> None:
+        write_mark(folder, manifest)
+
+    def _point(self, folder: Path) -> None:
+        point_latest(self.directory, folder)
+
+    def wait(self) -> Path | None:
+        """Block until the pending checkpoint is complete on every rank; its folder, or None if
+        none was pending. A failure on any rank raises ``CheckpointError`` on every rank."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        try:
+            folder, error = pending.result(), None
+        except Exception as failure:
+            folder, error = None, f"{type(failure).__name__}: {failure}"
+        # every rank's writer thread is done before this gather, so it never meets DCP's own
+        # collectives on the group; rank 0 arrives after the mark and the pointer
+        errors = self._ranks.gather(error)
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            story = "; ".join(f"rank {r}: {e}" for r, e in failed)
+            raise CheckpointError(f"a checkpoint was not completed ({story})")
+        return folder
+
+    def load(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        *,
+        path: str | os.PathLike | None = None,
+        allow_partial: bool = False,
+    ) -> Restored:
+        """``load`` from ``path`` (default: this checkpointer's directory) over its group."""
+        self.wait()
+        return load(
+            self.directory if path is None else path,
+            model,
+            optimizer,
+            scheduler,
+            process_group=self._ranks.group,
+            allow_partial=allow_partial,
+        )
+
+    def load_latest(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+    ) -> dict[str, Any] | None:
+        """Resume from the latest complete checkpoint: its ``extra``, or None (and nothing
+        loaded) when the directory holds none yet."""
+        self.wait()
+        found = latest_checkpoint(self.directory) is not None
+        if not self._ranks.gather(found)[0]:  # rank 0's view, as load() takes its folder
+            return None
+        return self.load(model, optimizer, scheduler).extra
+
+    def abandon(self) -> None:
+        """After a failure elsewhere: stop without waiting for the other ranks (they may be gone).
+        A checkpoint still being written never gets its completion mark, so it is never used."""
+        self._pending = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    def close(self) -> None:
+        """Wait for the pending checkpoint and let the writer thread and the group go."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            if self._own_group is not None:
+                dist.destroy_process_group(self._own_group)
+                self._own_group = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def save(
+    directory: str | os.PathLike,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    extra: dict[str, Any] | None = None,
+    *,
+    keep: int | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> Path:
+    """Save one checkpoint synchronously over ``process_group`` (default: the whole world, if
+    there is one); the complete folder. Training loops use a ``Checkpointer`` instead."""
+    checkpointer = Checkpointer(
+        directory, keep=keep, process_group=default_group(process_group), asynchronous=False
+    )
+    try:
+        return checkpointer.save(step, model, optimizer, scheduler, extra)
+    finally:
+        checkpointer.close()
