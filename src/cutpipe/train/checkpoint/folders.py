@@ -20,8 +20,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from cutpipe.files import flush_to_disk, write_text
 
@@ -29,6 +30,43 @@ FORMAT = "cutpipe-checkpoint/1"
 MARK = "complete.json"
 POINTER = "latest"
 _STEP = re.compile(r"step-(\d+)")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What the completion mark records: the step, and the layout that saved the checkpoint
+    (RNG states are restored only into the same one). A field missing from a mark reads as
+    None."""
+
+    step: int
+    world_size: int | None
+    layouts: tuple[str, ...] | None  # each rank's layout fingerprint, in rank order
+
+    def text(self) -> str:
+        """The mark's JSON, ``format`` first."""
+        record = {
+            "format": FORMAT,
+            "step": self.step,
+            "world_size": self.world_size,
+            "layouts": None if self.layouts is None else list(self.layouts),
+        }
+        return json.dumps(record, indent=1) + "\n"
+
+    @classmethod
+    def read(cls, folder: Path) -> Manifest:
+        """The mark of the complete checkpoint ``folder``."""
+        mark = json.loads((folder / MARK).read_text(encoding="utf-8"))
+        layouts = mark.get("layouts")
+        return cls(
+            step=mark.get("step", 0),
+            world_size=mark.get("world_size"),
+            layouts=tuple(layouts) if isinstance(layouts, list) else None,
+        )
+
+    def saved_by(self, layouts: Sequence[str]) -> bool:
+        """Whether ranks with these layout fingerprints, in rank order, are the ones that saved
+        the checkpoint."""
+        return self.world_size == len(layouts) and self.layouts == tuple(layouts)
 
 
 def step_folder(directory: str | os.PathLike, step: int) -> Path:
@@ -101,9 +139,9 @@ def resolve(path: str | os.PathLike) -> Path:
     return latest
 
 
-def write_mark(folder: Path, manifest: dict[str, Any]) -> None:
+def write_mark(folder: Path, manifest: Manifest) -> None:
     """Mark ``folder`` complete (rank 0, once every rank's part is on disk)."""
-    write_text(folder / MARK, json.dumps(manifest, indent=1) + "\n")
+    write_text(folder / MARK, manifest.text())
     flush_to_disk(folder)
 
 

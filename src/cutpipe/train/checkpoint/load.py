@@ -26,8 +26,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from cutpipe.train.checkpoint.agreement import Holding, check_names, layout_fingerprint
-from cutpipe.train.checkpoint.folders import MARK, resolve
+from cutpipe.train.checkpoint.agreement import Holding, LoadRequest, SavedNames, name_problems
+from cutpipe.train.checkpoint.errors import Failure
+from cutpipe.train.checkpoint.folders import Manifest, resolve
 from cutpipe.train.checkpoint.optimizer_state import (
     nested_optimizer,
     optimizer_keys,
@@ -93,44 +94,31 @@ def load(
     unless ``allow_partial``. RNG states are restored only if the same layout saved them."""
     ranks = Ranks.of(default_group(process_group))
     groups = optimizer_names(model, optimizer) if optimizer is not None else []
-    holding = Holding(
-        sorted(model.state_dict()),
-        sorted(name for names in groups for name in names),
-        layout_fingerprint(model),
-    )
+    holding = Holding.of(model, groups)
+    request = LoadRequest(holding)
     if ranks.rank == 0:
         try:
-            where: str = str(resolve(path))
+            request = LoadRequest(holding, folder=resolve(path))
         except OSError as error:
-            where = f"!{type(error).__name__}!{error}"
-    else:
-        where = ""
-    said = ranks.gather((where, holding))
-    where = said[0][0]
-    if where.startswith("!"):
-        _, kind, message = where.split("!", 2)
-        error_type = {"NotADirectoryError": NotADirectoryError}.get(kind, FileNotFoundError)
-        raise error_type(message)
-    folder = Path(where)
-    everyone = [entry[1] for entry in said]
+            request = LoadRequest(holding, failure=Failure.of(error))
+    requests: list[LoadRequest] = ranks.gather(request)
+    found = requests[0]
+    if found.failure is not None:
+        raise found.failure.exception(FileNotFoundError, NotADirectoryError)
+    assert found.folder is not None  # rank 0 sends a folder or a failure
+    folder = found.folder
+    everyone = [request.holding for request in requests]
     keys = read_metadata(folder).state_dict_metadata
-    saved_model = {key[len("model.") :] for key in _under(keys, "model.")}
-    saved_optim = {
-        key[len("optim.param_groups.") :].rpartition(".")[0]
-        for key in _under(keys, "optim.param_groups.")
-    }
-    # hyperparameter names have no dots, so the FQN is all before the last one
-    problems = check_names(everyone, saved_model, saved_optim, optimizer is not None)
+    saved = SavedNames.of(keys)
+    problems = name_problems(everyone, saved, optimizer is not None)
     if problems and not allow_partial:
         raise ValueError(
             f"the checkpoint {folder} does not fit this layout: {'; '.join(problems)}; load "
             "the model it was saved from, or pass allow_partial=True to load what matches"
         )
-    manifest = json.loads((folder / MARK).read_text(encoding="utf-8"))
-    same_layout = manifest.get("world_size") == ranks.size and manifest.get("layouts") == [
-        h.layout for h in everyone
-    ]
-    wanted = [f"model.{name}" for name in holding.model if name in saved_model]
+    manifest = Manifest.read(folder)
+    same_layout = manifest.saved_by([holding.layout for holding in everyone])
+    wanted = [f"model.{name}" for name in holding.model if name in saved.model]
     where = optimizer_keys(keys, holding.optimizer) if optimizer is not None else {}
     wanted += list(where)
     wanted += [key for key in ("step", "extra") if key in keys]
@@ -141,9 +129,7 @@ def load(
         wanted += _under(keys, rng_prefix)
     distributed = _distributed(model)
     likes = {f"model.{name}": value for name, value in distributed.items()}
-    likes.update(
-        (key, distributed.get(name)) for key, (kind, name, _) in where.items() if kind == "state"
-    )
+    likes.update((key, distributed.get(at.name)) for key, at in where.items() if at.kind == "state")
     loaded = {key: _empty(keys[key], likes.get(key)) for key in wanted}
     with alone_quietly(ranks.group is None):
         dcp.load(
@@ -171,14 +157,14 @@ def load(
         set_rng_state(rng)
     else:
         notes.append(
-            f"RNG states not restored: the checkpoint was saved by {manifest.get('world_size')} "
+            f"RNG states not restored: the checkpoint was saved by {manifest.world_size} "
             f"ranks in another layout than these {ranks.size}"
         )
     if problems:
         notes.append("loaded partially: " + "; ".join(problems))
     return Restored(
         folder=folder,
-        step=int(loaded.get("step", manifest.get("step", 0))),
+        step=int(loaded.get("step", manifest.step)),
         extra=json.loads(loaded.get("extra", "{}")),
         rng_restored=bool(rng),
         notes=tuple(notes),

@@ -9,13 +9,25 @@ field, and rebuilds the FQN-keyed state and parameter groups that ``set_state_di
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_KINDS: tuple[Literal["state", "param_groups"], ...] = ("state", "param_groups")
+
+
+@dataclass(frozen=True)
+class OptimizerKey:
+    """Where one saved optimizer key goes back: into the parameter's state or its group's
+    hyperparameters (``kind``), for the parameter ``name`` (its FQN), as ``field``."""
+
+    kind: Literal["state", "param_groups"]
+    name: str
+    field: str
 
 
 def model_and_optimizer_state(
@@ -46,14 +58,22 @@ def optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
     return groups
 
 
-def optimizer_keys(keys: Iterable[str], names: Iterable[str]) -> dict[str, tuple[str, str, str]]:
-    """Each saved optimizer key of the parameters ``names``: (state or param_groups, FQN, field).
-    The FQN is the longest dotted head of the key that names a parameter (a parameter has no
-    children, so no other head can)."""
+def saved_parameters(keys: Iterable[str]) -> set[str]:
+    """The FQNs whose optimizer hyperparameters the checkpoint's ``keys`` hold (every parameter
+    an optimizer updated when it was saved)."""
+    prefix = "optim.param_groups."
+    # hyperparameter names have no dots, so the FQN is all before the last one
+    return {key[len(prefix) :].rpartition(".")[0] for key in keys if key.startswith(prefix)}
+
+
+def optimizer_keys(keys: Iterable[str], names: Iterable[str]) -> dict[str, OptimizerKey]:
+    """Each saved optimizer key of the parameters ``names``, and where it goes back. The FQN is
+    the longest dotted head of the key that names a parameter (a parameter has no children, so
+    no other head can)."""
     names = set(names)
     found = {}
     for key in keys:
-        for kind in ("state", "param_groups"):
+        for kind in _KINDS:
             prefix = f"optim.{kind}."
             if not key.startswith(prefix):
                 continue
@@ -62,13 +82,13 @@ def optimizer_keys(keys: Iterable[str], names: Iterable[str]) -> dict[str, tuple
             while cut > 0 and rest[:cut] not in names:
                 cut = rest.rfind(".", 0, cut)
             if cut > 0:
-                found[key] = (kind, rest[:cut], rest[cut + 1 :])
+                found[key] = OptimizerKey(kind, rest[:cut], rest[cut + 1 :])
     return found
 
 
 def nested_optimizer(
     loaded: dict[str, Any],
-    where: dict[str, tuple[str, str, str]],
+    keys: dict[str, OptimizerKey],
     groups: list[list[str]],
     optimizer: torch.optim.Optimizer,
 ) -> dict[str, Any]:
@@ -77,8 +97,9 @@ def nested_optimizer(
     (its own, if none of them was saved)."""
     state: dict[str, dict[str, Any]] = {}
     hyper: dict[str, dict[str, Any]] = {}
-    for key, (kind, name, field) in where.items():
-        (state if kind == "state" else hyper).setdefault(name, {})[field] = loaded[key]
+    for key, where in keys.items():
+        into = state if where.kind == "state" else hyper
+        into.setdefault(where.name, {})[where.field] = loaded[key]
     param_groups = []
     for names, current in zip(groups, optimizer.param_groups, strict=True):
         present = [name for name in names if name in hyper]

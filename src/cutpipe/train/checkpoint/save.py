@@ -20,10 +20,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from cutpipe.train.checkpoint.agreement import check_agreement, layout_fingerprint
-from cutpipe.train.checkpoint.errors import CheckpointError
+from cutpipe.train.checkpoint.agreement import (
+    SaveRequest,
+    check_save_agreement,
+    layout_fingerprint,
+)
+from cutpipe.train.checkpoint.errors import CheckpointError, Failure
 from cutpipe.train.checkpoint.folders import (
-    FORMAT,
+    Manifest,
     is_complete,
     latest_checkpoint,
     point_latest,
@@ -94,65 +98,82 @@ class Checkpointer:
         copied (or written, if not asynchronous). ``extra`` must be the same on every rank."""
         started = time.perf_counter()
         self.wait()
-        text, mistake = "{}", None
+        request = self._request(step, model, extra)
+        requests: list[SaveRequest] = self._ranks.gather(request)
+        check_save_agreement(requests)
+        folder = step_folder(self.directory, step)
+        state = rank_state(self._ranks.rank, step, model, optimizer, scheduler, request.extra)
+        layouts = tuple(request.layout for request in requests)
+        manifest = Manifest(step=step, world_size=self._ranks.size, layouts=layouts)
+        if self.asynchronous:
+            self._write_in_background(state, folder, manifest)
+        else:
+            self._write_now(state, folder, manifest)
+        self.stall = time.perf_counter() - started
+        return folder
+
+    def _request(self, step: int, model: nn.Module, extra: dict[str, Any] | None) -> SaveRequest:
+        """This rank's request, its mistakes in it rather than raised (every rank must hear of
+        them, so that none waits for this one); on rank 0, the step's folder made ready."""
+        layout = layout_fingerprint(model)
         try:
             _check_step(step)
             text = extra_text(extra)
         except (TypeError, ValueError) as error:
-            mistake = str(error)  # told to every rank, so that none waits for this one
-        folder = step_folder(self.directory, step if mistake is None else 0)
-        problem = None
-        if self._ranks.rank == 0 and mistake is None:
-            problem = self._prepare_folder(folder)
-        said = self._ranks.gather((mistake, problem, step, text, layout_fingerprint(model)))
-        check_agreement(said)
-        state = rank_state(self._ranks.rank, step, model, optimizer, scheduler, text)
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "world_size": self._ranks.size,
-            "layouts": [entry[4] for entry in said],
-        }
-        no_dist = self._ranks.group is None
-        if self.asynchronous:
-            written = dcp.async_save(
-                state, checkpoint_id=folder, process_group=self._ranks.group, no_dist=no_dist
-            )
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="cutpipe-checkpoint")
-            self._pending = self._executor.submit(self._finish, written, folder, manifest)
-        else:
-            with alone_quietly(no_dist):
-                dcp.save(
-                    state, checkpoint_id=folder, process_group=self._ranks.group, no_dist=no_dist
-                )
-            done: Future[Path] = Future()
+            return SaveRequest(step=0, extra="{}", layout=layout, mistake=Failure.of(error))
+        refusal = None
+        if self._ranks.rank == 0:
             try:
-                done.set_result(self._finish(None, folder, manifest))
-            except Exception as error:
-                done.set_exception(error)
-            self._pending = done
-            self.wait()
-        self.stall = time.perf_counter() - started
-        return folder
+                self._prepare_folder(step_folder(self.directory, step))
+            except CheckpointError as error:
+                refusal = Failure.of(error)
+        return SaveRequest(step=step, extra=text, layout=layout, refusal=refusal)
 
-    def _prepare_folder(self, folder: Path) -> str | None:
+    def _prepare_folder(self, folder: Path) -> None:
         """Rank 0, before anyone writes: clear ``folder`` of a save that never became the latest
         (a crash before the mark or the pointer, or a run resumed from an earlier step)."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             if folder.exists():
                 if is_complete(folder) and latest_checkpoint(self.directory) == folder:
-                    return (
+                    raise CheckpointError(
                         f"{folder} is the latest complete checkpoint: each save needs a new "
                         "step (delete that folder to save this step again)"
                     )
                 remove_checkpoint(folder)
         except OSError as error:
-            return f"cannot write checkpoints into {self.directory}: {error}"
-        return None
+            raise CheckpointError(
+                f"cannot write checkpoints into {self.directory}: {error}"
+            ) from error
 
-    def _finish(self, written: Future | None, folder: Path, manifest: dict[str, Any]) -> Path:
+    def _write_in_background(self, state: dict[str, Any], folder: Path, manifest: Manifest) -> None:
+        """Start DCP's asynchronous save (it returns once the state is copied), and a writer
+        thread that completes the checkpoint once every rank's part is on disk."""
+        written = dcp.async_save(
+            state,
+            checkpoint_id=folder,
+            process_group=self._ranks.group,
+            no_dist=self._ranks.group is None,
+        )
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="cutpipe-checkpoint")
+        self._pending = self._executor.submit(self._finish, written, folder, manifest)
+
+    def _write_now(self, state: dict[str, Any], folder: Path, manifest: Manifest) -> None:
+        """Save and complete the checkpoint before returning; a failure on any rank raises on
+        every rank, as ``wait`` does."""
+        alone = self._ranks.group is None
+        with alone_quietly(alone):
+            dcp.save(state, checkpoint_id=folder, process_group=self._ranks.group, no_dist=alone)
+        done: Future[Path] = Future()
+        try:
+            done.set_result(self._finish(None, folder, manifest))
+        except Exception as error:
+            done.set_exception(error)
+        self._pending = done
+        self.wait()
+
+    def _finish(self, written: Future | None, folder: Path, manifest: Manifest) -> Path:
         """Wait for every rank's part, then (rank 0) mark the checkpoint complete."""
         if written is not None:
             written.result()
@@ -160,10 +181,10 @@ class Checkpointer:
             self._mark(folder, manifest)
             self._point(folder)
             if self.keep is not None:
-                prune(self.directory, self.keep, manifest["step"])
+                prune(self.directory, self.keep, manifest.step)
         return folder
 
-    def _mark(self, folder: Path, manifest: dict[str, Any]) -> None:
+    def _mark(self, folder: Path, manifest: Manifest) -> None:
         write_mark(folder, manifest)
 
     def _point(self, folder: Path) -> None:
@@ -175,16 +196,17 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
+        folder: Path | None = None
+        failure: Failure | None = None
         try:
-            folder, error = pending.result(), None
-        except Exception as failure:
-            folder, error = None, f"{type(failure).__name__}: {failure}"
+            folder = pending.result()
+        except Exception as error:
+            failure = Failure.of(error)
         # every rank's writer thread is done before this gather, so it never meets DCP's own
         # collectives on the group; rank 0 arrives after the mark and the pointer
-        errors = self._ranks.gather(error)
-        failed = [(r, e) for r, e in enumerate(errors) if e]
-        if failed:
-            story = "; ".join(f"rank {r}: {e}" for r, e in failed)
+        failures: list[Failure | None] = self._ranks.gather(failure)
+        story = "; ".join(f"rank {r}: {said}" for r, said in enumerate(failures) if said)
+        if story:
             raise CheckpointError(f"a checkpoint was not completed ({story})")
         return folder
 
