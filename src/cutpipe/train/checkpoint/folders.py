@@ -35,8 +35,8 @@ _STEP = re.compile(r"step-(\d+)")
 @dataclass(frozen=True)
 class Manifest:
     """What the completion mark records: the step, and the layout that saved the checkpoint
-    (RNG states are restored only into the same one). A field missing from a mark reads as
-    None."""
+    (RNG states are restored only into the same one). cutpipe writes every field; a mark that
+    lacks one reads as step 0 and None."""
 
     step: int
     world_size: int | None

@@ -98,12 +98,12 @@ class Checkpointer:
         copied (or written, if not asynchronous). ``extra`` must be the same on every rank."""
         started = time.perf_counter()
         self.wait()
-        request = self._request(step, model, extra)
-        requests: list[SaveRequest] = self._ranks.gather(request)
-        check_save_agreement(requests)
+        mine = self._request(step, model, extra)
+        everyone: list[SaveRequest] = self._ranks.gather(mine)
+        check_save_agreement(everyone)
         folder = step_folder(self.directory, step)
-        state = rank_state(self._ranks.rank, step, model, optimizer, scheduler, request.extra)
-        layouts = tuple(request.layout for request in requests)
+        state = rank_state(self._ranks.rank, step, model, optimizer, scheduler, mine.extra)
+        layouts = tuple(request.layout for request in everyone)
         manifest = Manifest(step=step, world_size=self._ranks.size, layouts=layouts)
         if self.asynchronous:
             self._write_in_background(state, folder, manifest)
@@ -113,8 +113,9 @@ class Checkpointer:
         return folder
 
     def _request(self, step: int, model: nn.Module, extra: dict[str, Any] | None) -> SaveRequest:
-        """This rank's request, its mistakes in it rather than raised (every rank must hear of
-        them, so that none waits for this one); on rank 0, the step's folder made ready."""
+        """What this rank asks to save. A mistake in its arguments goes into the request rather
+        than being raised, so that every rank hears of it and none waits for this one; rank 0
+        also makes the step's folder ready, or says why it cannot."""
         layout = layout_fingerprint(model)
         try:
             _check_step(step)
@@ -205,9 +206,9 @@ class Checkpointer:
         # every rank's writer thread is done before this gather, so it never meets DCP's own
         # collectives on the group; rank 0 arrives after the mark and the pointer
         failures: list[Failure | None] = self._ranks.gather(failure)
-        story = "; ".join(f"rank {r}: {said}" for r, said in enumerate(failures) if said)
-        if story:
-            raise CheckpointError(f"a checkpoint was not completed ({story})")
+        failed = [f"rank {rank}: {said}" for rank, said in enumerate(failures) if said is not None]
+        if failed:
+            raise CheckpointError(f"a checkpoint was not completed ({'; '.join(failed)})")
         return folder
 
     def load(
