@@ -55,11 +55,11 @@ def check_save_agreement(requests: list[SaveRequest]) -> None:
     """Raise the same error on every rank if any rank's input was wrong, rank 0 cannot write
     the folder, or the ranks differ."""
     for rank, request in enumerate(requests):
-        if request.mistake is not None:
+        if request.mistake is not None:  # a bad argument, whichever exception the rank caught
             raise ValueError(f"rank {rank} cannot save: {request.mistake.message}")
     refusal = requests[0].refusal
     if refusal is not None:
-        raise refusal.exception(CheckpointError)
+        raise refusal.exception(otherwise=CheckpointError)
     if len({request.step for request in requests}) > 1:
         story = ", ".join(f"rank {r} step {request.step}" for r, request in enumerate(requests))
         raise CheckpointError(f"the ranks save different steps ({story}): save at the same step")

@@ -32,10 +32,10 @@ class Failure:
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
 
-    def exception(self, fallback: type[Exception], *known: type[Exception]) -> Exception:
-        """The exception to raise for it on any rank: of the class among ``known`` whose name is
-        ``kind``, otherwise of ``fallback``; with the message the rank caught."""
+    def exception(self, *known: type[Exception], otherwise: type[Exception]) -> Exception:
+        """The exception to raise for it on any rank, with the message the rank caught: of the
+        class among ``known`` whose name is ``kind``, else of the class ``otherwise``."""
         for exception_class in known:
             if exception_class.__name__ == self.kind:
                 return exception_class(self.message)
-        return fallback(self.message)
+        return otherwise(self.message)

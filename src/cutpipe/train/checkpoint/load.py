@@ -118,7 +118,7 @@ def _find_checkpoint(
     requests: list[LoadRequest] = ranks.gather(request)
     found = requests[0]
     if found.failure is not None:
-        raise found.failure.exception(FileNotFoundError, NotADirectoryError)
+        raise found.failure.exception(NotADirectoryError, otherwise=FileNotFoundError)
     assert found.folder is not None  # rank 0 sends a folder or a failure
     return found.folder, [request.holding for request in requests]
 
