@@ -18,12 +18,17 @@ from cutpipe.train.checkpoint import (
     POINTER,
     Checkpointer,
     CheckpointError,
+    export_checkpoint,
     latest_checkpoint,
     load,
+    read_safetensors,
     save,
     step_folder,
+    write_safetensors,
 )
-from cutpipe.train.export import export_checkpoint, read_safetensors, write_safetensors
+from cutpipe.train.checkpoint.agreement import SaveRequest, check_save_agreement
+from cutpipe.train.checkpoint.errors import Failure
+from cutpipe.train.checkpoint.folders import Manifest, write_mark
 
 # a Checkpointer without a process group saves in DCP's writer thread, which warns that it
 # assumes a single process: that is the intent here
@@ -306,6 +311,46 @@ def test_bad_arguments_say_what_to_change(tmp_path):
     with pytest.raises(NotADirectoryError, match="is a file"):
         Checkpointer(tmp_path / "file")
     assert not os.path.exists(tmp_path / "step-000000")
+
+
+def test_every_rank_raises_the_same_error_from_what_the_ranks_sent():
+    """The records ranks gather before a save, checked as every rank checks them (no processes
+    needed: each rank runs the same function on the same list)."""
+    good = SaveRequest(step=4, extra='{"position": 4}', layout="abc")
+    check_save_agreement([good, good])
+    mistaken = SaveRequest(0, "{}", "abc", mistake=Failure.of(TypeError("extra must be a dict")))
+    with pytest.raises(ValueError, match="^rank 1 cannot save: extra must be a dict$"):
+        check_save_agreement([good, mistaken])
+    refused = SaveRequest(4, "{}", "abc", refusal=Failure.of(CheckpointError("cannot write")))
+    with pytest.raises(CheckpointError, match="^cannot write$"):
+        check_save_agreement([refused, good])
+    with pytest.raises(CheckpointError, match=r"different steps \(rank 0 step 4, rank 1 step 5\)"):
+        check_save_agreement([good, SaveRequest(5, good.extra, "abc")])
+    with pytest.raises(CheckpointError, match="extra differs between rank 0 and ranks 1, 2"):
+        other = SaveRequest(4, "{}", "abc")
+        check_save_agreement([good, other, other])
+    # an error found on one rank becomes an exception of its own class (where that is expected)
+    failure = Failure.of(NotADirectoryError("a file"))
+    assert str(failure) == "NotADirectoryError: a file"
+    raised = failure.exception(NotADirectoryError, otherwise=FileNotFoundError)
+    assert type(raised) is NotADirectoryError and str(raised) == "a file"
+    unexpected = Failure.of(PermissionError("denied")).exception(otherwise=FileNotFoundError)
+    assert type(unexpected) is FileNotFoundError and str(unexpected) == "denied"
+
+
+def test_the_completion_mark_is_written_and_read_as_before(tmp_path):
+    manifest = Manifest(step=3, world_size=2, layouts=("a", "b"))
+    write_mark(tmp_path, manifest)
+    assert json.loads((tmp_path / MARK).read_text()) == {
+        "format": "cutpipe-checkpoint/1",
+        "step": 3,
+        "world_size": 2,
+        "layouts": ["a", "b"],
+    }
+    assert Manifest.read(tmp_path) == manifest
+    assert manifest.saved_by(["a", "b"]) and not manifest.saved_by(["b", "a"])
+    (tmp_path / MARK).write_text('{"format": "cutpipe-checkpoint/1"}')
+    assert Manifest.read(tmp_path) == Manifest(step=0, world_size=None, layouts=None)
 
 
 @pytest.mark.timeout(300)

@@ -212,7 +212,7 @@ def test_a_dualpipe_checkpoint_reshards_into_other_layouts(model_file, tmp_path)
     exported = tmp_path / "model.safetensors"  # `cutpipe export` in this process
     assert cli(["export", "--checkpoint", str(tmp_path / "ckpt"), "-o", str(exported)]) == 0
     from cutpipe.models import language_model, load_model_config
-    from cutpipe.train.export import read_safetensors
+    from cutpipe.train.checkpoint import read_safetensors
 
     language_model(load_model_config(model_file)).load_state_dict(read_safetensors(exported))
 

@@ -28,7 +28,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     require_torch()
-    from cutpipe.train.export import export_checkpoint
+    from cutpipe.train.checkpoint import export_checkpoint
 
     print(f"wrote {export_checkpoint(args.checkpoint, args.output)}: the unsplit model")
     return 0

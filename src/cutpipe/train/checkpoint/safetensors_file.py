@@ -1,11 +1,8 @@
-"""The unsplit model out of a checkpoint, as one ``.pt`` or ``.safetensors`` file.
+"""The safetensors file format, written and read without the ``safetensors`` package.
 
-A checkpoint keeps the model under its unsplit names (``model.<fqn>``, see
-``cutpipe.train.checkpoint``), so exporting is reading every ``model.`` key in one process, with
-no process group, whatever layout saved it. ``.safetensors`` is written here (the format is small:
-an 8-byte little-endian header length, a JSON header giving each tensor's dtype, shape and byte
-range, then the raw little-endian bytes), so it needs no extra package; ``read_safetensors`` reads
-it back.
+The format is small (an 8-byte little-endian header length, a JSON header giving each tensor's
+dtype, shape and byte range, then the raw little-endian bytes), so exporting a checkpoint needs
+no extra package; ``read_safetensors`` reads a file back.
 """
 
 from __future__ import annotations
@@ -17,13 +14,8 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from cutpipe.files import check_output, write_with
-from cutpipe.train.checkpoint import alone_quietly, read_metadata, resolve
-
-ENDINGS = (".pt", ".safetensors")
+from cutpipe.files import write_with
 
 #: torch dtype -> safetensors dtype name
 DTYPES = {
@@ -45,35 +37,6 @@ DTYPES = {
 }
 _TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 _ALIGN = 8  # the header is padded with spaces so that the data starts 8-byte aligned
-
-
-def model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The unsplit model's state dict saved in the checkpoint ``path`` (a step folder, or a
-    directory: its latest), read in this process alone."""
-    folder = resolve(path)
-    keys = read_metadata(folder).state_dict_metadata
-    loaded = {
-        key: torch.empty(entry.size, dtype=entry.properties.dtype)
-        for key, entry in keys.items()
-        if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
-    }
-    if not loaded:
-        raise ValueError(f"the checkpoint {folder} holds no model tensors (no model.* keys)")
-    with alone_quietly(True):
-        dcp.load(loaded, checkpoint_id=folder, no_dist=True)
-    return {key[len("model.") :]: tensor for key, tensor in loaded.items()}
-
-
-def export_checkpoint(path: str | os.PathLike, output: str | os.PathLike) -> Path:
-    """Write the unsplit model of checkpoint ``path`` to ``output``: ``.pt`` (``torch.save`` of
-    the state dict) or ``.safetensors``, chosen by the ending. Returns ``output``."""
-    target = check_output(output, ENDINGS)
-    state = model_state(path)
-    if target.suffix.lower() == ".pt":
-        write_with(target, lambda temporary: torch.save(state, temporary))
-    else:
-        write_safetensors(state, target)
-    return target
 
 
 def _raw_bytes(tensor: torch.Tensor) -> bytes:

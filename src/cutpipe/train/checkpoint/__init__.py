@@ -1,0 +1,61 @@
+"""Checkpoints of a pipeline's ranks: written in the background, complete or invisible, and
+loadable into any split of the same model.
+
+Every rank saves its own modules under the unsplit model's names (FQNs), so a checkpoint does not
+depend on how the model was cut: ``torch.distributed.checkpoint`` (DCP) writes each rank's
+tensors and an index of them, and a rank that loads asks the index for the names it holds,
+wherever they were saved. A DualPipe stage held by two ranks is written once (DCP keeps one copy
+of a name saved by several ranks).
+
+The modules, each with one job:
+
+- ``folders``: the directory on disk (step folders, the completion mark, ``latest``, pruning);
+- ``state``: the keys a rank saves (model, optimizer, scheduler, step, ``extra``, RNG states);
+- ``optimizer_state``: the optimizer flattened by FQN, and rebuilt for any grouping;
+- ``ranks``: the process group a save or a load runs over, or none;
+- ``agreement``: what the ranks compare before they write or read;
+- ``errors``: ``CheckpointError``;
+- ``save``: ``Checkpointer`` (asynchronous saves) and ``save``;
+- ``load``: ``load`` into any layout;
+- ``export``: the unsplit model as one ``.pt`` or ``.safetensors`` file;
+- ``safetensors_file``: the safetensors format, without the ``safetensors`` package.
+"""
+
+from cutpipe.train.checkpoint.errors import CheckpointError
+from cutpipe.train.checkpoint.export import export_checkpoint, model_state
+from cutpipe.train.checkpoint.folders import (
+    FORMAT,
+    MARK,
+    POINTER,
+    is_complete,
+    latest_checkpoint,
+    prune,
+    resolve,
+    step_folder,
+)
+from cutpipe.train.checkpoint.load import Restored, load, read_metadata
+from cutpipe.train.checkpoint.ranks import alone_quietly
+from cutpipe.train.checkpoint.safetensors_file import read_safetensors, write_safetensors
+from cutpipe.train.checkpoint.save import Checkpointer, save
+
+__all__ = [
+    "FORMAT",
+    "MARK",
+    "POINTER",
+    "CheckpointError",
+    "Checkpointer",
+    "Restored",
+    "alone_quietly",
+    "export_checkpoint",
+    "is_complete",
+    "latest_checkpoint",
+    "load",
+    "model_state",
+    "prune",
+    "read_metadata",
+    "read_safetensors",
+    "resolve",
+    "save",
+    "step_folder",
+    "write_safetensors",
+]

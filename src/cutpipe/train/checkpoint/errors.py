@@ -1,0 +1,41 @@
+"""The errors a checkpoint raises, and how one rank's error reaches the others.
+
+A save or a load is collective, so an error must stop every rank alike: a rank that raised alone
+would leave the others waiting in their next collective forever. A rank that catches an error
+sends it on as a ``Failure``, and every rank raises from the records it gathered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or completed; every rank raises the same message."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An exception one rank caught, as a value the other ranks can receive.
+
+    Ranks gather this record rather than the exception: an exception whose class takes other
+    arguments than its message may fail to unpickle, and a traceback never travels. Every rank
+    then raises an exception built from the same record, so all report the same message."""
+
+    kind: str  # the exception's class name, e.g. "NotADirectoryError"
+    message: str
+
+    @classmethod
+    def of(cls, error: BaseException) -> Failure:
+        return cls(type(error).__name__, str(error))
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+    def exception(self, *known: type[Exception], otherwise: type[Exception]) -> Exception:
+        """The exception to raise for it on any rank, with the message the rank caught: of the
+        class among ``known`` whose name is ``kind``, else of the class ``otherwise``."""
+        for exception_class in known:
+            if exception_class.__name__ == self.kind:
+                return exception_class(self.message)
+        return otherwise(self.message)
