@@ -210,11 +210,15 @@ def option(
     many: bool = False,
     exclusive: str | None = None,
     required_one: bool = False,
+    optional: bool | None = None,
 ) -> Any:
-    """A dataclass field that is also a command-line option (see the module)."""
+    """A dataclass field that is also a command-line option (see the module); ``optional``
+    (default: when the default is None) lets code pass None, which the help text explains."""
     if kind is None:
         kind = Switch() if isinstance(default, bool) else Text()
-    spec = Option(help, kind, tuple(flags), metavar, many, default is None, exclusive, required_one)
+    if optional is None:
+        optional = default is None
+    spec = Option(help, kind, tuple(flags), metavar, many, optional, exclusive, required_one)
     if isinstance(default, (list, dict, set)):
         raise TypeError("mutable defaults: use a tuple")
     return dataclasses.field(default=default, metadata={OPTION: spec})

@@ -1,2 +1,3 @@
-"""A training run around the pipeline runner: options, the trainer, the optimizer step with
-global clipping, DCP checkpoints that reshard, metrics, and the elastic launch (docs/training.md)."""
+"""One trainer for every ``cutpipe train`` run: its options (declared once), what it trains (the
+task), where the stages go (the layout, or a plan file), how they are parallelized, the
+optimizer step, DCP checkpoints that reshard, and metrics (docs/training.md)."""

@@ -94,9 +94,9 @@ class ScheduleOptions:
     skip_nonfinite: bool = option(
         False, "skip a step whose gradients hold a NaN or infinity instead of stopping"
     )
-    step_timeout: float | None = option(
+    step_timeout: float | None = option(  # None in code: no watchdog
         60.0, "stop every rank when one completes no op for this long (seconds, at least 1)",
-        Real(1.0, exclusive=False, unit="seconds"), metavar="SECONDS",
+        Real(1.0, exclusive=False, unit="seconds"), metavar="SECONDS", optional=True,
     )  # fmt: skip
 
 
@@ -144,7 +144,9 @@ class OptimizerOptions:
         0.1, "cosine decay ends at this fraction of --lr", Real(0.0, 1.0, exclusive=False)
     )
     weight_decay: float = option(0.1, "AdamW weight decay", Real(0.0, exclusive=False))
-    clip: float | None = option(1.0, "clip the global gradient norm to this", Real(0.0))
+    clip: float | None = option(  # None in code: no clipping
+        1.0, "clip the global gradient norm to this", Real(0.0), optional=True
+    )
     grad_accum: int = option(1, "pipeline steps per optimizer step", Whole(1))
 
 

@@ -322,8 +322,9 @@ class Trainer:
             loss = accumulate(self.runner, batches())
         loss = float(self.mesh.average(loss))
         timeline = self.runner.timeline()
-        norm = clip_grad_norm(
-            self.runner.parameters(), options.clip, group=self.runner.group,
+        norm = clip_grad_norm(  # clip=None: only measure
+            self.runner.parameters(), math.inf if options.clip is None else options.clip,
+            group=self.runner.group,
             copies=mirror_copies(self.schedule),
         )  # fmt: skip
         lr = self.optimizer.param_groups[0]["lr"]
