@@ -147,7 +147,10 @@ def test_deepseek_v3_on_2048_h800s():
     assert interleaved.tokens_per_second < plans[4].tokens_per_second
 
 
-@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.stem)
+TRANSFORMERS = sorted(p for p in EXAMPLES.glob("*.yaml") if p.stem != "mlp")
+
+
+@pytest.mark.parametrize("path", TRANSFORMERS, ids=lambda p: p.stem)
 def test_no_shipped_example_crashes_recommend_or_tune_or_is_dropped_silently(path, capsys):
     """Every candidate is a plan or a reason; a model that fits nowhere is a ValueError that
     says by how much; tune runs on each model that has layers for a V on two ranks."""
@@ -164,3 +167,12 @@ def test_no_shipped_example_crashes_recommend_or_tune_or_is_dropped_silently(pat
     assert main(["tune", "--model", str(path), "--gpu", "H100", "-r", "2", "-m", "4",
                  "--seconds", "0", "--json"]) == 0  # fmt: skip
     capsys.readouterr()
+
+
+def test_the_example_mlp_is_refused_by_the_planner_with_what_takes_it(capsys):
+    from cutpipe.cli.main import main
+
+    code = main(["tune", "--model", str(EXAMPLES / "mlp.yaml"), "--gpu", "H100", "-r", "2",
+                 "-m", "4"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "family 'mlp', not a transformer" in err and "train --model" in err

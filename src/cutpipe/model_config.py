@@ -82,11 +82,18 @@ def load_model_config(
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is a directory without a config.json: name the model file")
         path = path / "config.json"
-    data = None if path.suffix in (".yaml", ".yml") else _read_json(path)
+    data = read_mapping(path, "model") if path.suffix in (".yaml", ".yml") else _read_json(path)
+    if isinstance(data, Mapping) and data.get("family", "transformer") != "transformer":
+        raise ValueError(
+            f"{path} is a model of family {data['family']!r}, not a transformer: the planner and "
+            "cutpipe profile price transformers (cutpipe train --model takes it)"
+        )
     if is_hf_config(data):
         default = path.parent.name if path.name == "config.json" else path.stem
         return spec_from_hf_config(data, name or default or "model", max_seq_len, str(path))
-    spec = ModelSpec.load(path)
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{path}: expected a mapping of model fields")
+    spec = ModelSpec.from_dict({"name": path.stem, **data}, str(path))
     return _capped(spec if name is None else replace(spec, name=name), max_seq_len)
 
 

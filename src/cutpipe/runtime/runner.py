@@ -176,7 +176,7 @@ class PipelineRunner:
             step = self.progress.step
             return channel.start(word.to(device), f"the gradient check of step {step}")
 
-        copies = mirror_copies(self.schedule)
+        copies = mirror_copies(self.schedule) if options.validates_steps else 1
         return StepBoundary(options, self.parameters, start_gather, copies)
 
     def _set_up_locally(

@@ -82,7 +82,8 @@ def run_layout(options: TrainOptions, world: int, task: Task) -> RunLayout:
         sizes = tuple(plan.stage_sizes)
     else:
         schedule = resolve_schedule(options.schedule_source, ranks, options.microbatches)
-        sizes = tuple(task.default_sizes(schedule))
+        # an emulated run cuts no model
+        sizes = () if options.emulate else tuple(task.default_sizes(schedule))
     m = schedule.num_microbatches
     batch = options.batch or task.microbatch_size * m * options.dp
     if batch % (m * options.dp):

@@ -191,10 +191,10 @@ class Trainer:
         )
         source = f"from {options.plan}" if options.plan else "the trainer's default"
         sizes = ", ".join(map(str, layout.stage_sizes))
-        return (
-            f"{self.task.name}: {self.schedule.name} on {where}, {self.schedule.num_microbatches} "
-            f"microbatches, blocks per stage {sizes} ({source})"
-        )
+        head = f"{self.schedule.name} on {where}, {self.schedule.num_microbatches} microbatches"
+        if options.emulate:
+            return f"{head}, emulated"
+        return f"{self.task.name}: {head}, blocks per stage {sizes} ({source})"
 
     # -- checkpoints ------------------------------------------------------------------------------
 
