@@ -49,28 +49,39 @@ class Kind:
         return parse
 
 
+class _Number(Kind):
+    """A number read by ``convert`` and then held to ``problem``; both errors say what is
+    wanted (``_wanted``) and what was given."""
+
+    convert: ClassVar[Callable[[str], Any]]
+
+    def _wanted(self) -> str:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> Any:
+        try:
+            value = type(self).convert(text)
+        except ValueError:
+            raise ValueError(f"{self._wanted()}, got {text!r}") from None
+        if self.problem(value):
+            raise ValueError(f"{self._wanted()}, got {text!r}")
+        return value
+
+
 @dataclass(frozen=True)
-class Whole(Kind):
+class Whole(_Number):
     """A whole number in [least, most]."""
 
     least: int = 1
     most: int | None = None
     metavar: ClassVar[str | None] = "N"
+    convert: ClassVar[Callable[[str], Any]] = int
 
     def _wanted(self) -> str:
         bounds = (
             f">= {self.least}" if self.most is None else f"between {self.least} and {self.most:,}"
         )
         return f"must be a whole number {bounds}"
-
-    def parse(self, text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(f"{self._wanted()}, got {text!r}") from None
-        if self.problem(value):
-            raise ValueError(f"{self._wanted()}, got {text!r}")
-        return value
 
     def problem(self, value: Any) -> str | None:
         fits = isinstance(value, int) and not isinstance(value, bool)
@@ -80,7 +91,7 @@ class Whole(Kind):
 
 
 @dataclass(frozen=True)
-class Real(Kind):
+class Real(_Number):
     """A finite number above ``least`` (or from it, if not ``exclusive``), at most ``most``."""
 
     least: float = 0.0
@@ -88,20 +99,12 @@ class Real(Kind):
     exclusive: bool = True
     unit: str = ""
     metavar: ClassVar[str | None] = "X"
+    convert: ClassVar[Callable[[str], Any]] = float
 
     def _wanted(self) -> str:
         low = f"> {self.least:g}" if self.exclusive else f">= {self.least:g}"
         bounds = low if self.most is None else f"{low} and <= {self.most:g}"
         return f"must be a finite number {bounds}{f' ({self.unit})' if self.unit else ''}"
-
-    def parse(self, text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(f"{self._wanted()}, got {text!r}") from None
-        if self.problem(value):
-            raise ValueError(f"{self._wanted()}, got {text!r}")
-        return value
 
     def problem(self, value: Any) -> str | None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -183,6 +183,14 @@ def output_file(endings: tuple[str, ...] | None = None) -> Callable[[str], Path]
     return parse
 
 
+def add_plan_output(parser: argparse.ArgumentParser, what: str) -> None:
+    """``-o/--output FILE.json``: a plan file that ``cutpipe train --plan`` runs."""
+    parser.add_argument(
+        "-o", "--output", type=output_file((".json",)), metavar="FILE",
+        help=f"also write {what} as a plan file (.json) that cutpipe train --plan runs",
+    )  # fmt: skip
+
+
 def add_costs_argument(parser: argparse.ArgumentParser, default: str, per: str) -> None:
     parser.add_argument(
         "--costs",

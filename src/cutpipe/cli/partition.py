@@ -6,9 +6,9 @@ import argparse
 
 from cutpipe.cli.common import (
     add_model_arguments,
+    add_plan_output,
     add_schedule_source,
     load_model_arguments,
-    output_file,
     positive_int,
     print_json,
     schedule_from_args,
@@ -34,13 +34,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--ep", type=positive_int, default=1, help="expert-parallel size (MoE models)"
     )
-    parser.add_argument(
-        "-o",
-        "--output",
-        type=output_file((".json",)),
-        metavar="FILE",
-        help="also write the balanced partition as a plan file (.json: the schedule, its "
-        "microbatches, blocks per stage) that cutpipe train --plan runs",
+    add_plan_output(
+        parser, "the balanced partition (the schedule, its microbatches, blocks per stage)"
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(run=run)

@@ -8,8 +8,8 @@ from dataclasses import asdict
 
 from cutpipe.cli.common import (
     add_model_arguments,
+    add_plan_output,
     load_model_arguments,
-    output_file,
     positive_int,
     print_json,
     schedule_names,
@@ -130,13 +130,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--verbose", action="store_true", help="also list the candidates left out, and why"
     )
-    parser.add_argument(
-        "-o",
-        "--output",
-        type=output_file((".json",)),
-        metavar="FILE",
-        help="also write the winning plan as a plan file (.json: layout, schedule, "
-        "microbatches, stage sizes, training setting) that cutpipe train --plan runs",
+    add_plan_output(
+        parser, "the winning plan (layout, schedule, microbatches, stage sizes, training setting)"
     )
     parser.add_argument("--json", action="store_true", help="print the plans as JSON")
     parser.set_defaults(run=run)
