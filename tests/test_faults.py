@@ -281,3 +281,38 @@ def test_cutpipe_train_says_when_it_timed_out_in_one_line():
     first = result.stderr.splitlines()[0]
     assert first == "cutpipe train: timed out after 5 s: ranks 0, 1 were still running", first
     assert "Traceback" not in result.stderr
+
+
+# -- what cutpipe train's launcher says when its workers fail ---------------------------------
+
+
+class _Failure:
+    """Stands for torch's ProcessFailure: what the agent read of one worker."""
+
+    def __init__(self, message: str, exitcode: int = 1, timestamp: int = 0) -> None:
+        recorded = ": " in message
+        self.message = {"message": message, "extraInfo": {}} if recorded else ""
+        self.error_file_data = {"message": self.message} if recorded else {"message": ""}
+        self.exitcode, self.timestamp = exitcode, timestamp
+
+
+def test_the_launcher_names_the_failure_that_came_first_in_its_own_right():
+    from cutpipe.launch.elastic import root_cause, worker_failures
+
+    failures = worker_failures({
+        0: _Failure("PipelineError: rank 1 failed in step 2 at 1F0: ValueError: bad"),
+        1: _Failure("ValueError: bad\nmore", timestamp=5),
+        2: _Failure("", exitcode=-15),
+    })  # fmt: skip
+    assert [str(f) for f in failures] == [
+        "rank 0: PipelineError: rank 1 failed in step 2 at 1F0: ValueError: bad",
+        "rank 1: ValueError: bad",
+        "rank 2: SIGTERM",
+    ]
+    cause = root_cause(failures)
+    assert cause is not None and cause.rank == 1 and cause.is_input_error
+    guard_only = worker_failures(
+        {0: _Failure("", -9), 1: _Failure("PipelineError: rank 0 is frozen")}
+    )
+    assert root_cause(guard_only).rank == 1  # the guard's record says more than a signal
+    assert root_cause(worker_failures({0: _Failure("", 3)})).kind == "exit code 3"

@@ -75,6 +75,11 @@ class ModelSpec:
         ]
         if self.hidden % self.heads:
             problems.append(f"hidden {self.hidden} must be a multiple of heads {self.heads}")
+        if self.kv_heads and (self.kv_heads > self.heads or self.heads % self.kv_heads):
+            problems.append(
+                f"kv_heads {self.kv_heads} must divide heads {self.heads} (each key/value head "
+                "serves a whole group of query heads)"
+            )
         if self.experts and self.top_k > self.experts:
             problems.append(f"top_k {self.top_k} is more than the {self.experts} experts")
         if self.dense_layers > self.layers:

@@ -59,58 +59,72 @@ def run(args: argparse.Namespace) -> int:
     from cutpipe.launch.elastic import is_worker
 
     options = options_from(args)
+    debug = bool(getattr(args, "debug", False)) or os.environ.get("CUTPIPE_DEBUG") == "1"
     if is_worker():
-        return work(options)
+        return work(options, debug)
     require_torch()
     check(options)
-    return start(options, args.argv)
+    return start(options, args.argv, debug)
 
 
 def check(options: TrainOptions) -> None:
     """Everything that can be checked before any process starts, so that a broken model file,
     a shape the schedule refuses or a plan for other ranks fails here, once, in one line."""
-    from cutpipe.train.layout import run_layout, with_plan
+    from cutpipe.train.layout import check_host_memory, run_layout, with_plan
     from cutpipe.train.tasks import task_for
 
     if options.nproc is None:
         raise ValueError("give the number of processes: --nproc N")
     options = with_plan(options)
     task = task_for(options)
-    run_layout(options, options.nproc * options.nnodes, task)
+    layout = run_layout(options, options.nproc * options.nnodes, task)
+    if options.backend == "gloo" and not options.emulate:
+        check_host_memory(task, layout, options.nproc)
     for path in options.data:
         if not os.path.exists(path):
             raise ValueError(f"--data {path}: no such file or folder")
 
 
-def start(options: TrainOptions, argv: list[str]) -> int:
-    """Start the workers (they run this command again) and wait for them."""
+class WorkerInputError(ValueError):
+    """Bad input that only the workers could find (the CLI's exit status 2)."""
+
+
+def start(options: TrainOptions, argv: list[str], debug: bool = False) -> int:
+    """Start the workers (they run this command again) and wait for them; what ended a failed
+    run is one line (bad input found by a worker: a usage error, exit status 2)."""
     from cutpipe.launch.elastic import Launch, LaunchFailed, run_workers
 
     plan = Launch(
         nproc=options.nproc, nnodes=options.nnodes, rdzv_endpoint=options.rdzv_endpoint,
         rdzv_id=options.rdzv_id, max_restarts=options.max_restarts, timeout=options.timeout,
+        debug=debug,
     )  # fmt: skip
     try:
         run_workers(argv, plan)
     except LaunchFailed as failure:
+        if failure.cause is not None and failure.cause.is_input_error:
+            raise WorkerInputError(str(failure)) from None
         print(f"cutpipe train: {failure}", file=sys.stderr)
         return 1
     return 0
 
 
-def work(options: TrainOptions) -> int:
-    """One worker: train, then (rank 0) say how it went."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
+def work(options: TrainOptions, debug: bool = False) -> int:
+    """One worker: train, then (rank 0) say how it went; a failure is recorded for the agent
+    and said by the launcher (``cutpipe.launch.elastic.report_failure``)."""
     from cutpipe.doctor.report import startup_warnings
-    from cutpipe.launch.elastic import die_with_parent
+    from cutpipe.launch.elastic import report_failure
     from cutpipe.train.trainer import train
 
-    die_with_parent()
     if os.environ.get("LOCAL_RANK") == "0":  # once per node, however it was launched
         for line in startup_warnings():  # torchrun's variables give the node count
             print(line, file=sys.stderr, flush=True)
-    result = record(train)(options)  # record: the agent reports this worker's error
+    try:
+        result = train(options)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:
+        return report_failure(error, debug)
     if result["rank"] == 0:
         report(result, options)
     return 0

@@ -9,13 +9,18 @@ the signals it can catch).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies."""
+def die_with_parent(parent: int | None = None) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies. With ``parent`` (the pid that
+    started it), a process whose parent is already another one (the launcher died before this
+    ran, and the process was handed on) ends at once."""
     with contextlib.suppress(Exception):
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)

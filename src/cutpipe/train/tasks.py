@@ -48,6 +48,10 @@ class Task(Protocol):
         """The blocks the model runs one after another (what stages are cut from)."""
         ...
 
+    def num_parameters(self) -> int:
+        """The whole model's parameters (what every rank builds before cutting its stages)."""
+        ...
+
     def default_sizes(self, schedule: Schedule) -> list[int]:
         """Blocks per stage when no plan gives them."""
         ...
@@ -99,6 +103,11 @@ class LanguageModelTask:
 
     def num_blocks(self) -> int:
         return self.spec.layers + 2  # the embedding, the layers, the head
+
+    def num_parameters(self) -> int:
+        from cutpipe.plan.costs.model import gpu, model_items
+
+        return int(sum(item.parameters for item in model_items(self.spec, gpu("H100"))))
 
     def default_sizes(self, schedule: Schedule) -> list[int]:
         """The planner's balanced partition, priced on a nominal GPU: only the ratios of the
@@ -157,6 +166,9 @@ class RegressionTask:
 
     def num_blocks(self) -> int:
         return self.spec.blocks
+
+    def num_parameters(self) -> int:
+        return self.spec.blocks * (self.spec.width + 1) * self.spec.width
 
     def default_sizes(self, schedule: Schedule) -> list[int]:
         from cutpipe.runtime.stages import even_split

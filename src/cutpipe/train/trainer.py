@@ -199,16 +199,30 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------------------
 
     def _state(self) -> dict[str, Any]:
-        return {"step": self.step, "loader": self.loader.state_dict()}
+        """What a checkpoint keeps besides the tensors: the step, the data's position, and the
+        run's record that a resumed run is compared with (``cutpipe.train.resume``)."""
+        from cutpipe.train.resume import run_record
+
+        record = run_record(self.options, self.task, self.layout)
+        return {"step": self.step, "loader": self.loader.state_dict(), "run": record}
 
     def resume(self) -> int | None:
         """Continue from the latest complete checkpoint, if any; the step it was taken after."""
         if self.checkpoints is None:
             return None
+        from cutpipe.train.resume import apply_schedule, differences, run_record
+
         extra = self.checkpoints.load_latest(self.held, self.optimizer, self.scheduler)
         if extra is None:
             return None
-        self.step = int(extra["step"])
+        step = int(extra["step"])
+        found = differences(extra.get("run"), run_record(self.options, self.task, self.layout))
+        found.check(step)  # another run's checkpoint: refused before any step
+        if found.reschedules:
+            apply_schedule(self.optimizer, self.scheduler, self.options)
+        if self.rank == 0 and not self.options.quiet:
+            print(found.line(step), flush=True)
+        self.step = step
         self.loader.load_state_dict(extra["loader"])
         return self.step
 

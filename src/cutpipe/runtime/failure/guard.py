@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import math
 import os
 import sys
@@ -36,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -82,6 +84,26 @@ def exit_word(store: dist.Store, global_rank: int) -> str | None:
     except Exception:
         return None
     return None
+
+
+def record_for_agent(kind: str, message: str) -> bool:
+    """Leave ``kind: message`` where torch's elastic agent reads a worker's error (the file
+    ``TORCHELASTIC_ERROR_FILE`` names, in its format), so that a launcher can name why this
+    process ends although it ends without raising (``os._exit``); whether it was left."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    record = {
+        "message": {
+            "message": f"{kind}: {message}",
+            "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))},
+        }
+    }
+    try:
+        Path(path).write_text(json.dumps(record))
+    except OSError:
+        return False
+    return True
 
 
 class Guard:
@@ -322,11 +344,14 @@ class Guard:
             self._exit(failure)
 
     def _exit(self, failure: str) -> None:
-        print(
-            f"cutpipe: rank {self._rank} stops (stuck in {self._action()}): {failure}",
-            file=sys.stderr,
-            flush=True,
-        )
+        """End this process now, saying why once: to the elastic agent when there is one (its
+        launcher names it), else on stderr."""
+        if not record_for_agent("PipelineError", failure):
+            print(
+                f"cutpipe: rank {self._rank} stops (stuck in {self._action()}): {failure}",
+                file=sys.stderr,
+                flush=True,
+            )
         os._exit(1)
 
     def _at_exit(self) -> None:
