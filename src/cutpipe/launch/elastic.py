@@ -237,8 +237,9 @@ def run_workers(arguments: list[str], plan: Launch) -> None:
 
 
 def _said(cause: WorkerFailure, failures: list[WorkerFailure]) -> str:
-    """One line: the root cause, and how many ranks failed."""
-    others = len(failures) - 1
+    """One line: the root cause, and how many other ranks stopped with it (bad input, which
+    every rank usually finds alike, is said alone)."""
+    others = 0 if cause.is_input_error else len(failures) - 1
     also = f" ({others} more rank{'s' if others > 1 else ''} stopped with it)" if others else ""
     if cause.message and (cause.is_input_error or cause.kind in RUN_FAILURES):
         return cause.message + also

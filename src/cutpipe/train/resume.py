@@ -42,8 +42,8 @@ CHANGEABLE = (
 def run_record(options: TrainOptions, task: Task, layout: RunLayout) -> dict[str, Any]:
     """The values a checkpoint keeps to compare a resumed run with (JSON)."""
     spec = dataclasses.asdict(task.spec)  # type: ignore[attr-defined]
-    spec.pop("name", None)
-    spec.pop("microbatch_size", None)
+    for name in ("name", "microbatch_size", "seq_len"):  # compared on their own (or not at all)
+        spec.pop(name, None)
     return {
         "model": spec,
         "data": list(options.data),
