@@ -44,11 +44,15 @@ def check_windows(count: int, seq_len: int, source: str, windows: int = 1) -> No
     if made >= windows:
         return
     need = "one window" if windows == 1 else f"one global batch ({windows:,} windows)"
+    tokens, made_windows = _counted(count, "token"), _counted(made, "window")
     raise ValueError(
-        f"{source} holds {count:,} tokens, {made:,} window{'s' if made != 1 else ''} of "
-        f"{seq_len + 1} tokens, fewer than {need}: use a shorter sequence, a smaller batch or "
-        "more data"
+        f"{source} holds {tokens}, {made_windows} of {seq_len + 1} tokens, fewer than {need}: "
+        "use a shorter sequence, a smaller batch or more data"
     )
+
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count:,} {noun}{'s' if count != 1 else ''}"
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
