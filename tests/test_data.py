@@ -261,6 +261,24 @@ def test_a_pipe_named_as_data_is_refused_by_name(tmp_path, capsys):
     assert not (tmp_path / "t.bin").exists()
 
 
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() == 0, reason="permissions do not bind root"
+)
+def test_unreadable_files_and_folders_are_skipped_inside_folders_and_refused_by_name(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"text\n")
+    (tmp_path / "locked.txt").write_bytes(b"secret\n")
+    (tmp_path / "closed").mkdir()
+    (tmp_path / "locked.txt").chmod(0)
+    (tmp_path / "closed").chmod(0)
+    try:
+        done = prepare([tmp_path], tmp_path / "t.out")
+        assert str(done.skipped) == "1 unreadable file, 1 unreadable folder"
+        with pytest.raises(ValueError, match="cannot read .*locked.txt: Permission denied"):
+            load_tokens([tmp_path / "locked.txt"])
+    finally:
+        (tmp_path / "closed").chmod(0o755)
+
+
 @pytest.mark.timeout(60)
 def test_a_binary_file_is_told_by_its_first_block_or_by_a_later_nul(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"text\n")
