@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
+import socket
 import struct
 import subprocess
 import sys
@@ -21,7 +23,9 @@ from cutpipe.data import (
     STDLIB_BYTES,
     TokenLoader,
     Tokens,
+    check_data,
     check_digest,
+    check_token_file,
     load_tokens,
     nats_to_bits,
     prepare,
@@ -196,6 +200,161 @@ def test_the_standard_library_corpus_is_stable_and_capped(tmp_path):
     assert 2.0 < unigram_entropy(read_tokens(tmp_path / "std.bin")) < math.log(256)
 
 
+# -- entries that are not files, binaries found early, damaged and empty data -----------------
+
+needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+
+
+def odd_tree(root: Path) -> Path:
+    """Text beside a named pipe, a socket, a broken link and a huge sparse binary file: none of
+    them may be opened (a pipe blocks, the sparse file is 64 GiB of NULs)."""
+    root.mkdir()
+    (root / "a.txt").write_bytes(b"alpha\n")
+    (root / "z.txt").write_bytes(b"omega\n")
+    os.mkfifo(root / "pipe")
+    with socket.socket(socket.AF_UNIX) as listener:  # a relative path: socket names are short
+        listener.bind(os.path.relpath(root / "sock"))
+    (root / "broken").symlink_to(root / "nowhere")
+    with (root / "sparse.img").open("wb") as file:
+        file.truncate(64 * 2**30)
+    return root
+
+
+@needs_fifo
+@pytest.mark.timeout(60)
+def test_pipes_sockets_links_and_sparse_binaries_in_a_folder_are_skipped_and_counted(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    root = odd_tree(tmp_path / "corpus")
+    expected = b"alpha\n" + SEPARATOR + b"omega\n"
+    assert bytes(load_tokens([root]).values.tolist()) == expected
+    done = prepare([root], tmp_path / "t.bin")
+    assert done.files == 2 and done.header.count == len(expected)
+    line = "1 binary file, 1 named pipe, 1 socket, 1 unreadable file"
+    assert str(done.skipped) == line
+    summary = check_data([root])
+    assert (summary.kind, summary.tokens, summary.files) == ("text", len(expected), 2)
+    assert summary.digest == hashlib.sha256(expected).hexdigest() == done.header.digest
+    assert str(summary).endswith(f"skipped {line}") and "\n" not in str(summary)
+    code, out, _ = run(capsys, "data", "prepare", str(root), "-o", str(tmp_path / "u.bin"))
+    assert code == 0 and f"\nskipped {line}\n" in out
+    code, out, _ = run(capsys, "data", "prepare", str(root), "-o", str(tmp_path / "u.bin"),
+                       "--json")  # fmt: skip
+    skipped = json.loads(out)["skipped"]
+    assert skipped == {"binary": 1, "pipe": 1, "socket": 1, "unreadable": 1}
+
+
+@needs_fifo
+@pytest.mark.timeout(60)
+def test_a_pipe_named_as_data_is_refused_by_name(tmp_path, capsys):
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    for read in (load_tokens, check_data, lambda paths: prepare(paths, tmp_path / "t.bin")):
+        with pytest.raises(ValueError, match=r"pipe is a named pipe \(FIFO\), not a file"):
+            read([pipe])
+    with pytest.raises(ValueError, match=r"pipe is a named pipe \(FIFO\): give a token file"):
+        read_header(pipe)
+    for args in (["prepare", str(pipe), "-o", str(tmp_path / "t.bin")], ["info", str(pipe)]):
+        code, out, err = run(capsys, "data", *args)
+        assert code == 2 and out == "" and err.count("\n") == 1 and "named pipe (FIFO)" in err
+    assert not (tmp_path / "t.bin").exists()
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() == 0, reason="permissions do not bind root"
+)
+def test_unreadable_files_and_folders_are_skipped_inside_folders_and_refused_by_name(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"text\n")
+    (tmp_path / "locked.txt").write_bytes(b"secret\n")
+    (tmp_path / "closed").mkdir()
+    (tmp_path / "locked.txt").chmod(0)
+    (tmp_path / "closed").chmod(0)
+    try:
+        done = prepare([tmp_path], tmp_path / "t.out")
+        assert str(done.skipped) == "1 unreadable file, 1 unreadable folder"
+        with pytest.raises(ValueError, match="cannot read .*locked.txt: Permission denied"):
+            load_tokens([tmp_path / "locked.txt"])
+    finally:
+        (tmp_path / "closed").chmod(0o755)
+
+
+@pytest.mark.timeout(60)
+def test_a_binary_file_is_told_by_its_first_block_or_by_a_later_nul(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"text\n")
+    with (tmp_path / "huge.img").open("wb") as file:  # sparse: reading it whole would not end
+        file.truncate(2**40)
+    (tmp_path / "late.bin").write_bytes(b"x" * 200_000 + b"\0")
+    done = prepare([tmp_path], tmp_path / "t.out")
+    assert done.files == 1 and str(done.skipped) == "2 binary files"
+    with pytest.raises(ValueError, match="late.bin is not a text file"):
+        load_tokens([tmp_path / "late.bin"])
+
+
+def test_the_trainer_checks_a_token_files_digest_as_data_info_does(tmp_path, capsys):
+    path = token_file(tmp_path, random_bytes(50))
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(bytes(raw))
+    message = f"{path} is damaged: its tokens do not match the digest in its header"
+    again = "prepare it again with `cutpipe data prepare`"
+    for read in (load_tokens, check_data, check_token_file, read_tokens):
+        with pytest.raises(ValueError, match=message):
+            read(path)
+    assert bytes(read_tokens(path, verify=False).values.tolist()) == bytes(raw[HEADER_SIZE:])
+    code, _, err = run(capsys, "data", "info", str(path))
+    assert code == 2 and err == f"cutpipe data: error: {message}; {again}\n"
+
+
+def test_empty_data_is_one_line_naming_what_was_read(tmp_path):
+    path = token_file(tmp_path, b"abc")
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<Q", raw, 20, 0)
+    (tmp_path / "none.bin").write_bytes(bytes(raw[:HEADER_SIZE]))
+    with pytest.raises(ValueError, match="none.bin holds no tokens: prepare it again"):
+        load_tokens(tmp_path / "none.bin")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    for read in (load_tokens, check_data):
+        with pytest.raises(ValueError, match=r"no text in .*empty.txt: 1 empty file; give text"):
+            read([tmp_path / "empty.txt"])
+    (tmp_path / "binaries").mkdir()
+    for name in ("a.png", "b.so"):
+        (tmp_path / "binaries" / name).write_bytes(b"\x7fELF\0")
+    with pytest.raises(ValueError, match=r"no text in .*binaries: skipped 2 binary files; give"):
+        check_data(tmp_path / "binaries")
+    (tmp_path / "short.txt").write_bytes(b"12345")
+    with pytest.raises(ValueError, match=r"short.txt holds 5 tokens, 0 windows of 9 tokens, "
+                       "fewer than one window: use a shorter sequence"):  # fmt: skip
+        check_data([tmp_path / "short.txt"], seq_len=8)
+    with pytest.raises(ValueError, match=r"short.txt holds 5 tokens, 2 windows of 3 tokens, "
+                       r"fewer than one global batch \(4 windows\)"):  # fmt: skip
+        TokenLoader(load_tokens([tmp_path / "short.txt"]), 2, 2, seed=0, replicas=2)
+    assert check_data([tmp_path / "short.txt"], seq_len=2, windows=2).tokens == 5
+    with pytest.raises(ValueError, match="seq_len must be a whole number >= 1, got 0"):
+        check_data([tmp_path / "short.txt"], seq_len=0)
+
+
+def test_check_data_sums_up_what_load_tokens_reads(tmp_path):
+    root = make_tree(tmp_path / "corpus")
+    summary = check_data([root])
+    tokens = load_tokens([root])
+    assert (summary.tokens, summary.digest) == (len(tokens), tokens.fingerprint)
+    assert summary.files == 3 and str(summary.skipped) == "1 binary file"
+    assert str(summary) == (
+        f"data: 16 tokens of text from 3 files of {root}; skipped 1 binary file"
+    )
+    prepare([root], tmp_path / "t.bin")
+    as_file = check_data(tmp_path / "t.bin", seq_len=4, windows=3)
+    assert (as_file.kind, as_file.tokens, as_file.digest) == ("token file", 16, summary.digest)
+    assert str(as_file) == f"data: {tmp_path / 't.bin'}, a token file of 16 tokens (digest checked)"
+    with pytest.raises(ValueError, match="give it alone"):
+        check_data([tmp_path / "t.bin", root])
+    with pytest.raises(ValueError, match="drop the size cap"):
+        check_data([tmp_path / "t.bin"], max_bytes=4)
+    with pytest.raises(ValueError, match="no such file or folder"):
+        check_data([tmp_path / "missing"])
+
+
 # -- the unigram entropy -------------------------------------------------------------------------
 
 
@@ -367,6 +526,17 @@ def test_prepare_needs_no_torch_and_info_says_how_to_get_it(tmp_path):
     assert info.returncode == 2 and "needs PyTorch" in info.stderr
     loads = "import sys, cutpipe.data, cutpipe.cli.data; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", loads], check=True, timeout=120)
+    checks = (
+        "import sys; sys.modules['torch'] = None\nfrom cutpipe.data import check_data\n"
+        "print(check_data('t.bin', seq_len=2)); print(check_data(['a.txt']))"
+    )
+    done = subprocess.run([sys.executable, "-c", checks], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "data: t.bin, a token file of 5 tokens (digest checked)",
+        "data: 5 tokens of text from 1 file of a.txt",
+    ]
 
 
 def test_the_module_entry_point_runs_data_info(tmp_path):

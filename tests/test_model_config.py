@@ -8,9 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from cutpipe.model_config import is_hf_config, load_model_config, spec_from_hf_config
+from cutpipe.model_config import (
+    is_hf_config,
+    load_model_config,
+    load_training_model,
+    spec_from_hf_config,
+)
 from cutpipe.models import language_model
-from cutpipe.spec import ModelSpec
+from cutpipe.spec import MlpSpec, ModelSpec
 
 EXAMPLES = Path(__file__).parents[1] / "examples" / "models"
 
@@ -140,7 +145,7 @@ def test_the_tiny_examples_split_over_four_ranks_with_a_v_schedule():
         ({"hidden_size": 4097, "head_dim": None}, r"hidden 4097 must be a multiple of heads 32"),
         ({"num_hidden_layers": True}, r"num_hidden_layers must be a whole number"),
         ({"vocab_size": None}, r"missing vocab_size"),
-        ({"max_position_embeddings": None}, r"give max_seq_len"),
+        ({"max_position_embeddings": None}, r"give the sequence length with cutpipe train --seq"),
         ({"hidden_activation": "gelu", "final_logit_softcapping": 30}, r"unknown keys \['final"),
         ({"layers": 4}, r"mixes Hugging Face keys with cutpipe fields \['layers'\]"),
     ],
@@ -177,3 +182,42 @@ def test_unreadable_files_say_so(tmp_path):
         load_model_config(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="max_seq_len must be a whole number"):
         load_model_config(write(tmp_path, LLAMA), max_seq_len=0)
+
+
+def test_the_sequence_length_of_a_run_fills_a_config_without_max_position_embeddings(tmp_path):
+    small = {
+        **LLAMA,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 64,
+        "vocab_size": 256,
+    }
+    del small["max_position_embeddings"]
+    path = write(tmp_path, small)
+    with pytest.raises(ValueError, match="--seq-len") as error:
+        load_training_model(path)
+    assert str(error.value) == (
+        f"{path}: missing max_position_embeddings: give the sequence length with cutpipe train "
+        "--seq-len N (seq_len=N in code), or add max_position_embeddings to the file"
+    )
+    spec = load_training_model(path, seq_len=64)
+    assert isinstance(spec, ModelSpec) and (spec.seq_len, spec.layers, spec.kv_heads) == (64, 2, 2)
+    assert load_model_config(path, seq_len=64, max_seq_len=16).seq_len == 16
+    with torch.no_grad():
+        logits, _ = language_model(spec)(torch.zeros(1, 64, dtype=torch.long))
+    assert logits.shape == (1, 64, 256)
+
+
+def test_a_sequence_length_replaces_the_files_and_is_checked(tmp_path):
+    assert load_model_config(write(tmp_path, LLAMA), seq_len=4096).seq_len == 4096
+    assert load_training_model(EXAMPLES / "tiny-dense.yaml", seq_len=32).seq_len == 32
+    assert isinstance(load_training_model("mlp"), MlpSpec)
+    for model in ("mlp", EXAMPLES / "mlp.yaml"):
+        with pytest.raises(ValueError, match="example MLP .* no sequence length: drop --seq-len"):
+            load_training_model(model, seq_len=32)
+    for bad in (0, True, 2.5):
+        with pytest.raises(ValueError, match=f"seq_len must be a whole number >= 1, got {bad}"):
+            load_model_config(write(tmp_path, LLAMA), seq_len=bad)

@@ -170,3 +170,24 @@ def test_runner_options_are_checked_and_unknown_ones_named():
         RunnerOptions(w_memory=2)
     with pytest.raises(TypeError, match="make_executor must be callable, got int"):
         RunnerOptions(make_executor=3)
+
+
+def test_a_step_after_close_says_the_runner_is_closed():
+    import torch
+    from torch import nn
+
+    from cutpipe.runtime import PipelineRunner
+    from cutpipe.schedule import generate
+
+    runner = PipelineRunner(generate("1f1b", 1, 2), {0: nn.Linear(4, 4)}, nn.MSELoss())
+    inputs, targets = torch.randn(4, 4), torch.randn(4, 4)
+    assert runner.step(inputs, targets) is not None
+    runner.close()
+    runner.close()  # harmless
+    with pytest.raises(RuntimeError) as error:
+        runner.step(inputs, targets)
+    assert str(error.value) == (
+        "rank 0: the runner is closed: build a new PipelineRunner to run more steps"
+    )
+    with torch.no_grad(), pytest.raises(RuntimeError, match="the runner is closed"):
+        runner.step(inputs, targets)

@@ -169,3 +169,51 @@ def test_the_placement_of_a_file_need_not_be_a_known_one():
     schedule = loads("1F0,1B0\n0F0,0B0\n", "csv", name="flipped")
     assert schedule.placement == Placement("custom", 2, ((1, 0),))
     assert schedule.num_microbatches == 1
+
+
+@pytest.mark.timeout(60)
+def test_an_oversized_file_is_refused_by_its_size_before_it_is_read(tmp_path, monkeypatch):
+    from cutpipe.schedule.limits import MAX_FILE_BYTES, MAX_OPS
+
+    assert MAX_FILE_BYTES == 13 * MAX_OPS  # the largest generated schedules write 11.8 MB
+    path = tmp_path / "huge.json"
+    with path.open("wb") as file:
+        file.truncate(14 * 10**6)
+    opened = []
+    monkeypatch.setattr("builtins.open", lambda *args, **kw: opened.append(args) or 1 / 0)
+    with pytest.raises(ValueError, match=r"huge.json is 14,000,000 bytes, more than a schedule "
+                       r"file may be, 13,000,000 bytes \(1,000,000 ops of at most 13 bytes\): "
+                       "give a schedule of fewer ops") as error:  # fmt: skip
+        load_schedule(path)
+    assert "\n" not in str(error.value) and opened == []
+
+
+@pytest.mark.timeout(60)
+def test_a_file_of_more_ops_than_the_limit_is_refused_after_parsing(tmp_path):
+    from cutpipe.schedule.limits import MAX_OPS
+
+    over = MAX_OPS + 1
+    message = f"holds {over:,} ops, more than the limit of {MAX_OPS:,}"
+    (tmp_path / "many.csv").write_text("0F0," * over + "\n")
+    with pytest.raises(ValueError, match=f"many.csv: the schedule {message}"):
+        load_schedule(tmp_path / "many.csv")
+    good = json.loads(dumps(generate("1f1b", 1, 1)))
+    with pytest.raises(ValueError, match=message):
+        loads(json.dumps({**good, "actions": [["0F0"] * over]}), "json")
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="no named pipes here")
+@pytest.mark.timeout(60)
+def test_a_pipe_or_folder_named_as_a_schedule_file_is_refused_unread(tmp_path, capsys):
+    import os
+
+    os.mkfifo(tmp_path / "pipe.json")
+    (tmp_path / "folder.json").mkdir()
+    with pytest.raises(ValueError, match=r"pipe.json is not a regular file \(a pipe\?\)"):
+        load_schedule(tmp_path / "pipe.json")
+    with pytest.raises(ValueError, match="folder.json is a folder: give a schedule file"):
+        load_schedule(tmp_path / "folder.json")
+    with pytest.raises(ValueError, match="cannot read schedule file .*none.json: No such file"):
+        load_schedule(tmp_path / "none.json")
+    code, out, err = run(capsys, "simulate", "--from", str(tmp_path / "pipe.json"))
+    assert code == 2 and out == "" and err.count("\n") == 1 and "not a regular file" in err

@@ -9,6 +9,7 @@ recognised by its keys and read as JSON only: no network, no weights. The keys r
 - ``num_key_value_heads``: ``kv_heads`` (grouped key/value heads; absent or null: all heads);
 - ``head_dim``: checked, it must be ``hidden_size / num_attention_heads``;
 - ``max_position_embeddings``: ``seq_len``, at most the ``max_seq_len`` argument when given;
+  the ``seq_len`` argument (``cutpipe train --seq-len``) replaces it, and then it may be absent;
 - ``intermediate_size``: ``ffn`` of a dense model, ``dense_ffn`` of an MoE's leading dense
   layers, and each expert's size where ``moe_intermediate_size`` is absent (Mixtral);
 - ``n_routed_experts``, ``num_local_experts`` or ``num_experts`` (DeepSeek's, Mixtral's and
@@ -73,10 +74,16 @@ IGNORED_SUFFIXES = ("_token_id", "_dropout", "_dropout_prob")
 
 
 def load_model_config(
-    path: str | Path, max_seq_len: int | None = None, name: str | None = None
+    path: str | Path,
+    max_seq_len: int | None = None,
+    name: str | None = None,
+    seq_len: int | None = None,
 ) -> ModelSpec:
     """The model of a cutpipe model file or a Hugging Face ``config.json`` (or a directory
-    holding one); its ``seq_len`` at most ``max_seq_len`` when that is given."""
+    holding one). Its ``seq_len`` is the ``seq_len`` argument when given (what ``cutpipe train
+    --seq-len`` sets; a config may then lack ``max_position_embeddings``), else the file's; at
+    most ``max_seq_len`` either way when that is given."""
+    _check_length("seq_len", seq_len)
     path = Path(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -90,10 +97,14 @@ def load_model_config(
         )
     if is_hf_config(data):
         default = path.parent.name if path.name == "config.json" else path.stem
-        return spec_from_hf_config(data, name or default or "model", max_seq_len, str(path))
+        return spec_from_hf_config(
+            data, name or default or "model", max_seq_len, str(path), seq_len=seq_len
+        )
     if not isinstance(data, Mapping):
         raise ValueError(f"{path}: expected a mapping of model fields")
     spec = ModelSpec.from_dict({"name": path.stem, **data}, str(path))
+    if seq_len is not None:
+        spec = replace(spec, seq_len=seq_len)
     return _capped(spec if name is None else replace(spec, name=name), max_seq_len)
 
 
@@ -103,10 +114,15 @@ FAMILIES = ("transformer", "mlp")
 PRESETS = {"mlp": MlpSpec}
 
 
-def load_training_model(model: str | Path, max_seq_len: int | None = None) -> ModelSpec | MlpSpec:
+def load_training_model(
+    model: str | Path, max_seq_len: int | None = None, seq_len: int | None = None
+) -> ModelSpec | MlpSpec:
     """What ``cutpipe train --model`` trains: a preset (``mlp``), a model file whose ``family``
-    is ``mlp``, or a transformer (``load_model_config``)."""
+    is ``mlp``, or a transformer (``load_model_config``) at ``seq_len`` (``--seq-len``) when
+    given: a Hugging Face config without ``max_position_embeddings`` needs it."""
+    _check_length("seq_len", seq_len)
     if str(model) in PRESETS:
+        _no_sequence(model, seq_len)
         return PRESETS[str(model)]()
     path = Path(model)
     if not path.exists():
@@ -119,11 +135,21 @@ def load_training_model(model: str | Path, max_seq_len: int | None = None) -> Mo
         if family not in FAMILIES:
             raise ValueError(f"{path}: family must be one of {', '.join(FAMILIES)}, got {family!r}")
         if family == "mlp":
+            _no_sequence(model, seq_len)
             data.setdefault("name", path.stem)
             return MlpSpec.from_dict(data, str(path))
         if "family" in data:
             raise ValueError(f"{path}: drop 'family: transformer' (it is the default)")
-    return load_model_config(path, max_seq_len)
+    return load_model_config(path, max_seq_len, seq_len=seq_len)
+
+
+def _no_sequence(model: str | Path, seq_len: int | None) -> None:
+    """The example MLP reads no sequences: a sequence length for it is a mistake to name."""
+    if seq_len is not None:
+        raise ValueError(
+            f"--model {model} is the example MLP on synthetic data, which has no sequence "
+            "length: drop --seq-len, or train a language model (--model FILE)"
+        )
 
 
 def _read_json(path: Path) -> Any:
@@ -142,11 +168,14 @@ def _capped(spec: ModelSpec, max_seq_len: int | None) -> ModelSpec:
 
 
 def _capped_length(seq_len: int, max_seq_len: int | None) -> int:
-    if max_seq_len is None:
-        return seq_len
-    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be a whole number >= 1, got {max_seq_len!r}")
-    return min(seq_len, max_seq_len)
+    _check_length("max_seq_len", max_seq_len)
+    return seq_len if max_seq_len is None else min(seq_len, max_seq_len)
+
+
+def _check_length(name: str, value: int | None) -> None:
+    """A sequence length argument is None or a whole number >= 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
 
 
 def is_hf_config(data: Any) -> bool:
@@ -163,8 +192,11 @@ def spec_from_hf_config(
     name: str = "model",
     max_seq_len: int | None = None,
     source: str = "config",
+    *,
+    seq_len: int | None = None,
 ) -> ModelSpec:
-    """A ``ModelSpec`` of a Hugging Face config's sizes (the keys the module lists)."""
+    """A ``ModelSpec`` of a Hugging Face config's sizes (the keys the module lists); ``seq_len``
+    replaces ``max_position_embeddings``, which may then be absent."""
     if not isinstance(config, Mapping):
         raise ValueError(f"{source}: expected a mapping of config keys")
     ours = sorted(set(config) & {f.name for f in fields(ModelSpec)})
@@ -180,7 +212,8 @@ def spec_from_hf_config(
             "(see cutpipe.model_config): remove these, or describe the model in a cutpipe "
             "model file"
         )
-    sizes = _sizes(_Reader(config, source), max_seq_len)
+    _check_length("seq_len", seq_len)
+    sizes = _sizes(_Reader(config, source), max_seq_len, seq_len)
     try:
         return ModelSpec(name=name, **sizes)
     except (TypeError, ValueError) as error:  # ModelSpec's own checks, which name no file
@@ -212,7 +245,7 @@ class _Reader:
         return ValueError(f"{self.source}: {message}")
 
 
-def _sizes(read: _Reader, max_seq_len: int | None) -> dict[str, int]:
+def _sizes(read: _Reader, max_seq_len: int | None, seq_len: int | None) -> dict[str, int]:
     """ModelSpec's fields from the config's keys."""
     hidden, heads = read.need("hidden_size"), read.need("num_attention_heads")
     sizes = {
@@ -220,7 +253,7 @@ def _sizes(read: _Reader, max_seq_len: int | None) -> dict[str, int]:
         "hidden": hidden,
         "heads": heads,
         "vocab": read.need("vocab_size"),
-        "seq_len": _seq_len(read, max_seq_len),
+        "seq_len": _seq_len(read, max_seq_len, seq_len),
     }
     kv_heads = read.count("num_key_value_heads")
     if kv_heads is not None and heads % kv_heads:
@@ -237,13 +270,19 @@ def _sizes(read: _Reader, max_seq_len: int | None) -> dict[str, int]:
     return sizes
 
 
-def _seq_len(read: _Reader, max_seq_len: int | None) -> int:
-    longest = read.count("max_position_embeddings")
-    if longest is None:
-        if max_seq_len is None:
-            raise read.fail("missing max_position_embeddings: give max_seq_len instead")
-        return _capped_length(max_seq_len, max_seq_len)
-    return _capped_length(longest, max_seq_len)
+def _seq_len(read: _Reader, max_seq_len: int | None, seq_len: int | None) -> int:
+    """The sequence length: ``seq_len`` when given, else the config's longest, at most
+    ``max_seq_len``; a config without one needs ``seq_len`` (``--seq-len``) or ``max_seq_len``."""
+    longest = read.count("max_position_embeddings")  # read even when replaced: checked
+    given = seq_len if seq_len is not None else longest
+    if given is None:
+        given = max_seq_len
+    if given is None:
+        raise read.fail(
+            "missing max_position_embeddings: give the sequence length with cutpipe train "
+            "--seq-len N (seq_len=N in code), or add max_position_embeddings to the file"
+        )
+    return _capped_length(given, max_seq_len)
 
 
 def _experts(read: _Reader, layers: int) -> dict[str, int]:

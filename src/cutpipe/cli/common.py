@@ -155,9 +155,11 @@ def load_schedule_file(
 
 
 def readable_file(text: str) -> str:
-    """An argparse ``type``: a file that exists (checked before any work)."""
+    """An argparse ``type``: a regular file that exists (checked before any work; a named pipe
+    is refused here, unopened, since reading one would wait for a writer)."""
     if not os.path.isfile(text):
-        raise argparse.ArgumentTypeError(f"no such file: {text}")
+        what = "not a regular file" if os.path.exists(text) else "no such file"
+        raise argparse.ArgumentTypeError(f"{what}: {text}")
     return text
 
 

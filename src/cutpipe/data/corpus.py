@@ -10,12 +10,15 @@ platform, and takes well under a second to prepare.
 
 A text file is one without a NUL byte. That check, not a list of endings, decides: it keeps
 source files of any language and any ending (``Makefile``, ``.rs``, ``.txt``) and skips images,
-archives, compiled files and UTF-16 text. Inside folders a binary file is skipped quietly; a file
-named on the command line must be text, or it is an error. Names starting with a dot (``.git``,
-``.venv``) are skipped inside folders, and links to folders are not followed (no loops).
+archives, compiled files and UTF-16 text. Inside folders a binary file, and any entry that is not
+a regular readable file (a named pipe, a socket, a device), is skipped and counted (``Skipped``,
+from ``entries``, which never opens such an entry); a file named on the command line must be a
+text file, or it is an error. Names starting with a dot (``.git``, ``.venv``) are skipped quietly
+inside folders, and links to folders are not followed (no loops).
 
 Files are joined with one NUL byte between them (``SEPARATOR``): no text file holds one, so the
-byte-level model sees where a file ends. No imports from the rest of cutpipe and no torch.
+byte-level model sees where a file ends. No imports from the rest of cutpipe but ``entries``, and
+no torch.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from cutpipe.data.entries import WHAT, Skipped, kind_of, read_text
 
 #: Between two files of a corpus: a byte no text file holds.
 SEPARATOR = b"\0"
@@ -46,17 +51,20 @@ class Source:
     named: bool = False
 
 
-def is_text(content: bytes) -> bool:
-    """Text means no NUL byte (module docstring): binary formats almost always hold one."""
-    return SEPARATOR not in content
+def _walk(
+    folder: Path, suffix: str | None, pruned: frozenset[str], skipped: Skipped | None = None
+) -> Iterator[Source]:
+    """Entries under ``folder`` other than folders, in sorted order of their relative path,
+    pruning ``pruned`` and dot-named folders before descending (site-packages can be larger than
+    the rest); a folder that cannot be listed is counted in ``skipped``."""
 
+    def unlisted(error: OSError) -> None:
+        if skipped is not None:
+            skipped.add("unreadable folder")
 
-def _walk(folder: Path, suffix: str | None, skipped: frozenset[str]) -> Iterator[Source]:
-    """Files under ``folder`` in sorted order of their relative path, pruning ``skipped`` and
-    dot-named folders before descending (site-packages can be larger than the rest)."""
     found = []
-    for root, folders, files in os.walk(folder):
-        folders[:] = [f for f in folders if f not in skipped and not f.startswith(".")]
+    for root, folders, files in os.walk(folder, onerror=unlisted):
+        folders[:] = [f for f in folders if f not in pruned and not f.startswith(".")]
         for name in files:
             if name.startswith(".") or (suffix is not None and not name.endswith(suffix)):
                 continue
@@ -66,24 +74,35 @@ def _walk(folder: Path, suffix: str | None, skipped: frozenset[str]) -> Iterator
     yield from sorted(found, key=lambda s: Path(s.name).parts)
 
 
-def user_sources(paths: Iterable[str | os.PathLike]) -> list[Source]:
-    """The files of ``paths`` in the order given, each folder's files sorted; a file reached
-    twice is kept once. A missing path is an error that names it."""
+def user_sources(
+    paths: Iterable[str | os.PathLike], skipped: Skipped | None = None
+) -> list[Source]:
+    """The files of ``paths`` in the order given, each folder's entries sorted; a file reached
+    twice is kept once. A missing path, or one that is neither a folder nor a regular file (a
+    named pipe), is an error that names it; ``skipped`` counts folders that cannot be listed."""
     sources: list[Source] = []
     seen: set[Path] = set()
     for given in paths:
         path = Path(given)
-        if not path.exists():
-            raise ValueError(f"{given}: no such file or folder: give a text file or a folder")
-        if path.is_dir():
+        try:
+            kind = kind_of(os.stat(path).st_mode)
+        except FileNotFoundError:
+            raise ValueError(
+                f"{given}: no such file or folder: give a text file or a folder"
+            ) from None
+        except OSError as error:
+            raise ValueError(f"cannot look at {given}: {error.strerror}") from None
+        if kind == "folder":
             found = [
                 Source(s.path, f"{path.as_posix()}/{s.name}")
-                for s in _walk(path, None, frozenset())
+                for s in _walk(path, None, frozenset(), skipped)
             ]
-        elif path.is_file():
+        elif kind is None:
             found = [Source(path, str(given), named=True)]
         else:
-            raise ValueError(f"{given}: not a regular file or folder: give a text file or a folder")
+            raise ValueError(
+                f"{given} is {WHAT[kind]}, not a file: give text files, a token file or folders"
+            )
         for source in found:
             key = source.path.resolve()
             if key not in seen:
@@ -108,28 +127,23 @@ def stdlib_sources(folder: Path | None = None) -> list[Source]:
 
 
 def corpus_chunks(
-    sources: Iterable[Source], max_bytes: int | None = None
+    sources: Iterable[Source], max_bytes: int | None = None, skipped: Skipped | None = None
 ) -> Iterator[tuple[Source, bytes]]:
     """The corpus's bytes: each text file, ``SEPARATOR`` between two, cut after ``max_bytes``.
 
-    Yields each file used with its piece (separator first, but for the first file), so a corpus larger than memory can be written
-    as it is read. A binary file is skipped, unless the user named it (an error then).
+    Yields each file used with its piece (separator first, but for the first file), so a corpus
+    larger than memory can be written as it is read. A file that is not a readable regular text
+    file is skipped and counted in ``skipped``, unless the user named it (an error then).
     """
     if max_bytes is not None and max_bytes < 1:
         raise ValueError(f"the size cap must be at least 1 byte, got {max_bytes}")
+    skipped = Skipped() if skipped is None else skipped
     left = max_bytes
     first = True
     for source in sources:
         if left is not None and left <= 0:
             return
-        content = source.path.read_bytes()
-        if not is_text(content):
-            if source.named:
-                raise ValueError(
-                    f"{source.name} is not a text file (it holds NUL bytes): give text files, "
-                    "or a folder, where binary files are skipped"
-                )
-            continue
+        content = read_text(source.path, source.name, source.named, skipped)
         if not content:
             continue
         piece = content if first else SEPARATOR + content

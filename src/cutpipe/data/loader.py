@@ -32,6 +32,29 @@ if TYPE_CHECKING:
 STATE_VERSION = 1
 
 
+def windows_of(count: int, seq_len: int) -> int:
+    """How many windows of ``seq_len + 1`` tokens, starting every ``seq_len``, ``count`` make."""
+    return max(0, (count - 1) // seq_len)
+
+
+def check_windows(count: int, seq_len: int, source: str, windows: int = 1) -> None:
+    """A one-line ValueError naming ``source`` if its ``count`` tokens make fewer than
+    ``windows`` windows (one global batch: batch size x replicas)."""
+    made = windows_of(count, seq_len)
+    if made >= windows:
+        return
+    need = "one window" if windows == 1 else f"one global batch ({windows:,} windows)"
+    tokens, made_windows = _counted(count, "token"), _counted(made, "window")
+    raise ValueError(
+        f"{source} holds {tokens}, {made_windows} of {seq_len + 1} tokens, fewer than {need}: "
+        "use a shorter sequence, a smaller batch or more data"
+    )
+
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count:,} {noun}{'s' if count != 1 else ''}"
+
+
 def epoch_seed(seed: int, epoch: int) -> int:
     """The generator seed of one epoch: a hash of (seed, epoch), so nearby seeds or epochs do
     not give related permutations and no two pairs share one by arithmetic accident."""
@@ -65,14 +88,9 @@ class TokenLoader:
             )
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, int(seed)
         self.rank, self.replicas = rank, replicas
-        self.windows = max(0, (len(self.tokens) - 1) // seq_len)
+        self.windows = windows_of(len(self.tokens), seq_len)
+        check_windows(len(self.tokens), seq_len, self.tokens.source, batch_size * replicas)
         self.batches_per_epoch = self.windows // (batch_size * replicas)
-        if self.batches_per_epoch == 0:
-            raise ValueError(
-                f"{len(self.tokens):,} tokens make {self.windows:,} windows of {seq_len + 1} "
-                f"tokens, fewer than one global batch ({batch_size} x {replicas} replicas): "
-                "use a shorter sequence, a smaller batch or more data"
-            )
         self.epoch = 0
         self.index = 0  # the next batch within the epoch
         self._order: tuple[int, torch.Tensor] | None = None

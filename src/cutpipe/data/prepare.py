@@ -1,14 +1,22 @@
 """From a corpus to tokens: a token file (``cutpipe data prepare``), or tokens in memory for a
-training run given text instead of a token file."""
+training run given text instead of a token file.
+
+``prepare``, ``load_tokens`` and the launcher's pre-check (``check.check_data``) read ``--data``
+the same way: ``token_file_of`` says whether the paths name one token file, and a ``TextCorpus``
+walks text files and folders once, counting what it skips, and says what it read when it found no
+text. So the three accept and refuse the same data with the same messages.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from cutpipe.data.corpus import STDLIB_BYTES, Source, corpus_chunks, stdlib_sources, user_sources
+from cutpipe.data.corpus import STDLIB_BYTES, corpus_chunks, stdlib_sources, user_sources
+from cutpipe.data.entries import Skipped
 from cutpipe.data.tokens import (
     EmptyCorpus,
     Header,
@@ -23,11 +31,13 @@ Paths = Sequence["str | os.PathLike[str]"]
 
 @dataclass(frozen=True)
 class Prepared:
-    """A written token file: its header, how many files it took text from, and the corpus."""
+    """A written token file: its header, how many files it took text from, the corpus, and
+    what the walk skipped (binary files, named pipes, ...)."""
 
     header: Header
     files: int
     corpus: str
+    skipped: Skipped = field(default_factory=Skipped)
 
 
 def default_corpus_name(cap: int = STDLIB_BYTES) -> str:
@@ -35,54 +45,81 @@ def default_corpus_name(cap: int = STDLIB_BYTES) -> str:
     return f"the Python {version} standard library (*.py, at most {cap:,} bytes)"
 
 
-def _corpus(paths: Paths, max_bytes: int | None) -> tuple[list[Source], str, int | None]:
-    """(sources, how to name the corpus, size cap): ``paths``'s, or the standard library's."""
-    if paths:
-        return user_sources(paths), ", ".join(map(str, paths)), max_bytes
-    cap = STDLIB_BYTES if max_bytes is None else max_bytes
-    return stdlib_sources(), default_corpus_name(cap), cap
+def as_paths(paths: str | os.PathLike[str] | Paths) -> list[str | os.PathLike[str]]:
+    """``paths`` as a list: one path may be given alone."""
+    return [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
 
 
-def _empty(corpus: str) -> ValueError:
-    return ValueError(
-        f"no text in {corpus}: its files are empty or binary (they hold NUL bytes), or there "
-        "are none; give text files or folders that hold some"
-    )
+def token_file_of(paths: Paths, max_bytes: int | None = None) -> Path | None:
+    """The token file ``paths`` name, or None when they name text; a token file must come alone
+    and without a size cap (its size is set)."""
+    files = [path for path in paths if is_token_file(path)]
+    if not files:
+        return None
+    if len(paths) > 1:
+        raise ValueError(f"{files[0]} is a token file: give it alone, or give only text")
+    if max_bytes is not None:
+        raise ValueError(f"{files[0]} is a token file: its size is set; drop the size cap")
+    return Path(files[0])
+
+
+class TextCorpus:
+    """One reading of a text corpus: ``paths``' files (default: the standard library's, capped
+    at ``STDLIB_BYTES``), their bytes in order from ``chunks``, with what was used and skipped."""
+
+    def __init__(self, paths: Paths, max_bytes: int | None = None) -> None:
+        self.skipped = Skipped()
+        if paths:
+            self.sources = user_sources(paths, self.skipped)
+            self.name, self.cap = ", ".join(map(str, paths)), max_bytes
+        else:
+            self.cap = STDLIB_BYTES if max_bytes is None else max_bytes
+            self.sources, self.name = stdlib_sources(), default_corpus_name(self.cap)
+        self.files = 0  # files that gave text so far
+        self.size = 0  # bytes given so far
+
+    def chunks(self) -> Iterator[bytes]:
+        """The corpus's bytes, a file (and the separator before it) at a time."""
+        for _, piece in corpus_chunks(self.sources, self.cap, self.skipped):
+            self.files += 1
+            self.size += len(piece)
+            yield piece
+
+    def no_text(self) -> ValueError:
+        """The error for a corpus that gave no text, saying what was read instead."""
+        files = len(self.sources)
+        empty = files - (self.skipped.total - self.skipped.counts.get("unreadable folder", 0))
+        found = [f"{empty:,} empty file{'s' if empty != 1 else ''}"] if empty else []
+        if self.skipped.total:
+            found.append(f"skipped {self.skipped}")
+        return ValueError(
+            f"no text in {self.name}: {'; '.join(found) or 'no files'}; give text files or "
+            "folders that hold some (a text file holds no NUL byte)"
+        )
 
 
 def prepare(paths: Paths, output: str | os.PathLike, max_bytes: int | None = None) -> Prepared:
     """Write the tokens of ``paths`` (default: the standard library corpus, capped at
     ``STDLIB_BYTES``) to the token file ``output``; ``max_bytes`` caps any corpus."""
-    sources, corpus, cap = _corpus(paths, max_bytes)
-    used: list[Source] = []
-
-    def chunks() -> Iterator[bytes]:
-        for source, piece in corpus_chunks(sources, cap):
-            used.append(source)
-            yield piece
-
+    corpus = TextCorpus(paths, max_bytes)
     try:
-        header = write_tokens(output, chunks())
-    except EmptyCorpus as error:
-        raise _empty(corpus) from error
-    return Prepared(header, len(used), corpus)
+        header = write_tokens(output, corpus.chunks())
+    except EmptyCorpus:
+        raise corpus.no_text() from None
+    return Prepared(header, corpus.files, corpus.name, corpus.skipped)
 
 
 def load_tokens(paths: str | os.PathLike[str] | Paths = (), max_bytes: int | None = None) -> Tokens:
-    """The tokens to train on: one token file's, mapped; or text files' and folders' (default:
-    the standard library corpus), read into memory. The same corpus gives the same fingerprint
-    either way, so a run may resume from a token file prepared from the text it started on."""
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    files = [path for path in paths if is_token_file(path)]
-    if files and len(paths) == 1:
-        if max_bytes is not None:
-            raise ValueError(f"{files[0]} is a token file: its size is set; drop the size cap")
-        return read_tokens(files[0])
-    if files:
-        raise ValueError(f"{files[0]} is a token file: give it alone, or give only text")
-    sources, corpus, cap = _corpus(paths, max_bytes)
-    data = bytearray().join(piece for _, piece in corpus_chunks(sources, cap))
+    """The tokens to train on: one token file's, mapped, its digest checked; or text files' and
+    folders' (default: the standard library corpus), read into memory. The same corpus gives the
+    same fingerprint either way, so a run may resume from a token file prepared from the text it
+    started on."""
+    paths = as_paths(paths)
+    file = token_file_of(paths, max_bytes)
+    if file is not None:
+        return read_tokens(file)
+    corpus = TextCorpus(paths, max_bytes)
+    data = bytearray().join(corpus.chunks())
     if not data:
-        raise _empty(corpus)
-    return Tokens.from_bytes(data)
+        raise corpus.no_text()
+    return Tokens.from_bytes(data, source=corpus.name)

@@ -18,8 +18,12 @@ sequences three to four times longer for the same text, weighs little when the p
 a transformer under pipeline schedules rather than to build the best language model.
 
 Reading maps the file (``torch.from_file``, private mapping) instead of copying it, so a large
-corpus costs no memory until read, and processes on one machine share its pages. Writing streams
-the corpus through a temporary file (``cutpipe.files``), so a failed write leaves no half file.
+corpus costs no memory until read, and processes on one machine share its pages. Before that,
+``check_token_file`` reads the tokens once, in blocks and without torch, to compare them with the
+header's digest: ``cutpipe data info``, the trainer (``read_tokens``) and the launcher's
+pre-check (``cutpipe.data.check_data``) all call it, so a damaged file is refused the same way
+everywhere. Writing streams the corpus through a temporary file (``cutpipe.files``), so a failed
+write leaves no half file.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cutpipe.data.entries import describe, kind_of
 from cutpipe.files import replacing
 
 if TYPE_CHECKING:
@@ -47,6 +52,8 @@ HEADER_SIZE = _LAYOUT.size
 #: dtype name -> (bytes per token, largest vocabulary it holds).
 DTYPES = {"uint8": (1, 256)}
 _PREPARE_AGAIN = "prepare it again with `cutpipe data prepare`"
+#: Bytes hashed at a time when a token file's digest is checked.
+_HASH_BLOCK = 2**20
 
 
 class EmptyCorpus(ValueError):
@@ -107,15 +114,16 @@ class Header:
                 f"{name} says its vocabulary has {vocab} tokens, which {name_of_dtype} cannot "
                 f"hold: the file is damaged; {_PREPARE_AGAIN}"
             )
+        if count == 0:
+            raise ValueError(f"{name} holds no tokens: prepare it again from text that holds some")
         return cls(count, vocab, digest.hex(), name_of_dtype, version)
 
 
 def read_header(path: str | os.PathLike) -> Header:
     """The header of the token file at ``path``, checked against the file's size."""
     path = Path(path)
-    if not path.is_file():
-        what = "is a folder" if path.is_dir() else "does not exist"
-        raise ValueError(f"{path} {what}: give a token file from `cutpipe data prepare`")
+    if not _is_regular(path):
+        raise ValueError(f"{path} {describe(path)}: give a token file from `cutpipe data prepare`")
     with path.open("rb") as file:
         header = Header.unpack(file.read(HEADER_SIZE), str(path))
     size = path.stat().st_size
@@ -131,6 +139,39 @@ def read_header(path: str | os.PathLike) -> Header:
             f"it is not one whole token file; {_PREPARE_AGAIN}"
         )
     return header
+
+
+def check_token_file(path: str | os.PathLike) -> Header:
+    """The header of the token file at ``path``, once every token has been read (in blocks, no
+    torch) and found to match its digest; a one-line ValueError naming the file otherwise."""
+    header = read_header(path)
+    digest = hashlib.sha256()
+    left = header.count * header.itemsize
+    with Path(path).open("rb") as file:
+        file.seek(HEADER_SIZE)
+        while left > 0:
+            block = file.read(min(_HASH_BLOCK, left))
+            if not block:
+                raise ValueError(f"{path} changed while it was read: read it again")
+            digest.update(block)
+            left -= len(block)
+    if digest.hexdigest() != header.digest:
+        raise _damaged(path)
+    return header
+
+
+def _damaged(path: str | os.PathLike) -> ValueError:
+    return ValueError(
+        f"{path} is damaged: its tokens do not match the digest in its header; {_PREPARE_AGAIN}"
+    )
+
+
+def _is_regular(path: Path) -> bool:
+    """Whether ``path`` is a regular file (following links), looked at without opening it."""
+    try:
+        return kind_of(os.stat(path).st_mode) is None
+    except OSError:
+        return False
 
 
 def write_tokens(
@@ -177,17 +218,21 @@ def digest_of(values: torch.Tensor) -> str:
 @dataclass(frozen=True, eq=False)
 class Tokens:
     """A 1-D tensor of tokens with its vocabulary and a fingerprint naming exactly these tokens
-    (a token file's digest, or one derived from it for a part), which checkpoints carry."""
+    (a token file's digest, or one derived from it for a part), which checkpoints carry;
+    ``source`` says where they were read, for messages about them."""
 
     values: torch.Tensor
     vocab: int
     fingerprint: str
+    source: str = "the tokens"
 
     def __len__(self) -> int:
         return self.values.numel()
 
     @classmethod
-    def from_tensor(cls, values: torch.Tensor, vocab: int = BYTE_VOCAB) -> Tokens:
+    def from_tensor(
+        cls, values: torch.Tensor, vocab: int = BYTE_VOCAB, source: str = "the tokens"
+    ) -> Tokens:
         """Tokens held in memory (e.g. in tests); the fingerprint hashes all of them."""
         import torch
 
@@ -197,17 +242,17 @@ class Tokens:
                 "use torch.frombuffer(bytearray(text), dtype=torch.uint8)"
             )
         values = values.contiguous().cpu()
-        return cls(values, vocab, digest_of(values))
+        return cls(values, vocab, digest_of(values), source)
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray) -> Tokens:
+    def from_bytes(cls, data: bytes | bytearray, source: str = "the tokens") -> Tokens:
         """Byte-level tokens of ``data`` (a bytearray is used in place, bytes are copied)."""
         import torch
 
         if not data:
             raise ValueError("no tokens: give at least one byte")
         buffer = data if isinstance(data, bytearray) else bytearray(data)
-        return cls.from_tensor(torch.frombuffer(buffer, dtype=torch.uint8))
+        return cls.from_tensor(torch.frombuffer(buffer, dtype=torch.uint8), source=source)
 
     def split(self, holdout: float) -> tuple[Tokens, Tokens]:
         """(training, held-out) tokens: the last ``holdout`` share of the tokens is held out,
@@ -220,38 +265,42 @@ class Tokens:
                 f"holding out {holdout:g} of {len(self):,} tokens leaves one part empty: "
                 "use a holdout share nearer 0.5 or more data"
             )
-        return self._part(0, cut), self._part(cut, len(self))
+        return self._part(0, cut, "training"), self._part(cut, len(self), "held-out")
 
-    def _part(self, start: int, stop: int) -> Tokens:
+    def _part(self, start: int, stop: int, which: str) -> Tokens:
         name = f"{self.fingerprint}[{start}:{stop}]".encode()
-        return Tokens(self.values[start:stop], self.vocab, hashlib.sha256(name).hexdigest())
+        fingerprint = hashlib.sha256(name).hexdigest()
+        return Tokens(self.values[start:stop], self.vocab, fingerprint, f"{self.source} ({which})")
 
 
 def is_token_file(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a file that starts as a token file does (its header unchecked)."""
+    """Whether ``path`` is a file that starts as a token file does (its header unchecked); a
+    path that is no regular readable file is not (and is never opened, so a pipe cannot hang)."""
     path = Path(path)
-    if not path.is_file():
+    if not _is_regular(path):
         return False
-    with path.open("rb") as file:
-        return file.read(len(MAGIC)) == MAGIC
+    try:
+        with path.open("rb") as file:
+            return file.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
 
 
-def read_tokens(path: str | os.PathLike) -> Tokens:
-    """The tokens of the token file at ``path``, mapped, not copied; the header is checked
-    (``check_digest`` also reads every token to compare them with the digest)."""
+def read_tokens(path: str | os.PathLike, verify: bool = True) -> Tokens:
+    """The tokens of the token file at ``path``, mapped, not copied; the header is checked, and
+    with ``verify`` every token too, against the digest (``check_token_file``)."""
     import torch
 
-    header = read_header(path)
+    header = check_token_file(path) if verify else read_header(path)
     whole = torch.from_file(str(path), shared=False, size=header.file_size, dtype=torch.uint8)
     values = whole[HEADER_SIZE:]
     if whole[:HEADER_SIZE].tolist() != list(header.pack()):
         raise ValueError(f"{path} changed while it was read: read it again")
-    return Tokens(values, header.vocab, header.digest)
+    return Tokens(values, header.vocab, header.digest, str(path))
 
 
 def check_digest(path: str | os.PathLike, tokens: Tokens) -> None:
-    """Raise if ``tokens`` (read from ``path``) do not match their header's digest."""
+    """Raise if ``tokens`` (read from ``path``, e.g. with ``verify=False``) do not match their
+    header's digest: the check ``check_token_file`` makes on the file, made on the tensor."""
     if digest_of(tokens.values) != tokens.fingerprint:
-        raise ValueError(
-            f"{path} is damaged: its tokens do not match the digest in its header; {_PREPARE_AGAIN}"
-        )
+        raise _damaged(path)

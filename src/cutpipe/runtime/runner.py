@@ -114,6 +114,7 @@ class PipelineRunner:
         **overrides: Any,
     ) -> None:
         self.schedule = schedule
+        self._closed = False
         self.group, self.rank, self.world_size, self._global = _pipeline_group(schedule, group)
         self.progress = Progress()
         self._position = -1
@@ -401,6 +402,11 @@ class PipelineRunner:
         gradients stay for the caller's optimizer (the options may then ask for no clipping,
         skipping or overlap, which need the optimizer here).
         """
+        if self._closed:  # its transport and groups are gone: a step would fail deep inside
+            raise RuntimeError(
+                f"rank {self.rank}: the runner is closed: build a new PipelineRunner to run more "
+                "steps"
+            )
         boundary = self._boundary
         if not torch.is_grad_enabled():
             if optimizer is not None:
@@ -723,7 +729,11 @@ class PipelineRunner:
 
     def close(self) -> None:
         """Stop the heartbeat, give the stage modules their own layers back, and let go of the
-        process groups, so that ``destroy_process_group`` really ends them."""
+        process groups, so that ``destroy_process_group`` really ends them. Closing again does
+        nothing; a ``step`` afterwards is a RuntimeError."""
+        if self._closed:
+            return
+        self._closed = True
         if self._guard is not None:
             self._guard.close()
             self._guard = None

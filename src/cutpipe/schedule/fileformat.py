@@ -14,7 +14,9 @@ which only works when every stage is on one rank (DualPipe's two pipes have no C
 
 Both round-trip exactly: ``load_schedule(path) == schedule`` after ``save_schedule(schedule,
 path)`` (a CSV's name is its file's stem). Every schedule read is validated before it is
-returned, so a hand-edited file that would deadlock fails here, naming the op.
+returned, so a hand-edited file that would deadlock fails here, naming the op. A file is
+refused before it is read when it is no regular file (a pipe would block the read) or larger than
+``limits.MAX_FILE_BYTES``, and after parsing when it holds more than ``limits.MAX_OPS`` ops.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import csv
 import io
 import json
 import os
+import stat
 from pathlib import Path
 
 from cutpipe.files import write_text
 from cutpipe.records import require_keys
 from cutpipe.schedule.actions import Op, parse_op, units
+from cutpipe.schedule.limits import FILE_BYTES_PER_OP, MAX_FILE_BYTES, MAX_OPS, check_ops
 from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.schedule.validate import validate
@@ -82,7 +86,9 @@ def loads(text: str, format: str = "json", name: str = "imported") -> Schedule:
     if format == "json":
         schedule = _from_json(text)
     elif format == "csv":
-        schedule = from_rows(name, list(csv.reader(io.StringIO(text))))
+        rows = list(csv.reader(io.StringIO(text)))
+        check_ops(sum(1 for row in rows for cell in row if cell.strip()))
+        schedule = from_rows(name, rows)
     else:
         raise ValueError(f"cannot read schedules as {format!r}: use json or csv")
     validate(schedule)
@@ -97,8 +103,9 @@ def save_schedule(schedule: Schedule, path: str | os.PathLike, format: str | Non
 def load_schedule(path: str | os.PathLike) -> Schedule:
     """The schedule in a ``.json`` (cutpipe) or ``.csv`` (torch) file, validated."""
     format = format_of(path)
+    raw = _read_bounded(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"{path} is not a text file: expected a schedule as {format}") from None
     try:
@@ -107,12 +114,37 @@ def load_schedule(path: str | os.PathLike) -> Schedule:
         raise ValueError(f"{path}: {error}") from None
 
 
+def _read_bounded(path: str | os.PathLike) -> bytes:
+    """The bytes of the regular file at ``path``, refused by its size before they are read."""
+    try:
+        info = os.stat(path)
+    except OSError as error:
+        raise ValueError(f"cannot read schedule file {path}: {error.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        what = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file (a pipe?)"
+        raise ValueError(f"{path} is {what}: give a schedule file")
+    limit = f"{MAX_FILE_BYTES:,} bytes ({MAX_OPS:,} ops of at most {FILE_BYTES_PER_OP} bytes)"
+    if info.st_size > MAX_FILE_BYTES:
+        raise ValueError(
+            f"{path} is {info.st_size:,} bytes, more than a schedule file may be, {limit}: "
+            "give a schedule of fewer ops"
+        )
+    with open(path, "rb") as file:  # a regular file: opening it cannot block
+        raw = file.read(MAX_FILE_BYTES + 1)
+    if len(raw) > MAX_FILE_BYTES:  # it grew since the stat
+        raise ValueError(f"{path} grew past {limit} while it was read: give a smaller schedule")
+    return raw
+
+
 def _from_json(text: str) -> Schedule:
     try:
         record = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"not JSON ({error.msg} at line {error.lineno})") from None
     record = require_keys(record, "schedule file", ("placement", "num_microbatches", "actions"))
+    actions = record["actions"]
+    if isinstance(actions, list):
+        check_ops(sum(len(ops) for ops in actions if isinstance(ops, list)))
     version = record.get("version", VERSION)  # tune -o of cutpipe 0.1 wrote no header
     if record.get("format", FORMAT) != FORMAT:
         raise ValueError(f"not a schedule: its format is {record['format']!r}, not {FORMAT!r}")

@@ -13,6 +13,22 @@ from __future__ import annotations
 
 #: The most ops one schedule may hold (see docs/cli.md, "Limits").
 MAX_OPS = 1_000_000
+#: Bytes an op may take in a schedule file: cutpipe writes one in at most 12 (``"10F45453", ``:
+#: the digits of stage and microbatch together stay within 7 under ``MAX_OPS``; the largest
+#: schedules write 11.8 MB), and one more leaves room for line breaks and hand edits.
+FILE_BYTES_PER_OP = 13
+#: The largest schedule file read: a larger one holds more than ``MAX_OPS`` ops, so it is
+#: refused by its size before a byte of it is read (parsing it would take seconds and memory).
+MAX_FILE_BYTES = MAX_OPS * FILE_BYTES_PER_OP
+
+
+def check_ops(count: int, limit: int = MAX_OPS) -> None:
+    """A ValueError if a schedule read from a file holds more than ``limit`` ops."""
+    if count > limit:
+        raise ValueError(
+            f"the schedule holds {count:,} ops, more than the limit of {limit:,} "
+            "(cutpipe.schedule.MAX_OPS): use fewer microbatches or ranks"
+        )
 
 
 def estimated_ops(stages: int, microbatches: int, kinds: int = 3, steps: int = 1) -> int:
