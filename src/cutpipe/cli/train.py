@@ -71,7 +71,7 @@ def check(options: TrainOptions) -> None:
     """Everything that can be checked before any process starts, so that a broken model file,
     a shape the schedule refuses or a plan for other ranks fails here, once, in one line."""
     from cutpipe.train.layout import check_host_memory, run_layout, with_plan
-    from cutpipe.train.tasks import task_for
+    from cutpipe.train.tasks import LanguageModelTask, task_for
 
     if options.nproc is None:
         raise ValueError("give the number of processes: --nproc N")
@@ -80,9 +80,13 @@ def check(options: TrainOptions) -> None:
     layout = run_layout(options, options.nproc * options.nnodes, task)
     if options.backend == "gloo" and not options.emulate:
         check_host_memory(task, layout, options.nproc)
-    for path in options.data:
-        if not os.path.exists(path):
-            raise ValueError(f"--data {path}: no such file or folder")
+    if isinstance(task, LanguageModelTask) and not options.emulate:
+        from cutpipe.data import check_data
+
+        # the workers read the same: a global batch of windows must be there
+        summary = check_data(options.data, seq_len=task.tokens_per_sample, windows=layout.batch)
+        if summary.skipped:
+            print(summary, flush=True)
 
 
 class WorkerInputError(ValueError):

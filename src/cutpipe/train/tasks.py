@@ -10,7 +10,7 @@ shape on synthetic data, its blocks shared out evenly: a quick look at a schedul
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cutpipe.model_config import load_training_model
@@ -73,16 +73,14 @@ class Task(Protocol):
 
 def task_for(options: TrainOptions) -> Task:
     """The task of ``options.model`` (its sequence length overridden by ``--seq-len``)."""
-    spec = load_training_model(options.model)
+    spec = load_training_model(options.model, seq_len=options.seq_len)
     if isinstance(spec, MlpSpec):
-        if options.seq_len is not None or options.data:
+        if options.data:
             raise ValueError(
-                f"--model {options.model} is the example MLP on synthetic data: drop --seq-len "
-                "and --data, or train a language model (--model FILE)"
+                f"--model {options.model} is the example MLP on synthetic data: drop --data, or "
+                "train a language model (--model FILE)"
             )
         return RegressionTask(spec)
-    if options.seq_len is not None:
-        spec = replace(spec, seq_len=options.seq_len)
     return LanguageModelTask(spec, options.data, options.aux_weight)
 
 
