@@ -85,7 +85,7 @@ def check(options: TrainOptions) -> None:
 
         # the workers read the same: a global batch of windows must be there
         summary = check_data(options.data, seq_len=task.tokens_per_sample, windows=layout.batch)
-        if summary.skipped:
+        if summary.skipped.total:
             print(summary, flush=True)
 
 

@@ -220,7 +220,7 @@ class Trainer:
         found.check(step)  # another run's checkpoint: refused before any step
         if found.reschedules:
             apply_schedule(self.optimizer, self.scheduler, self.options)
-        if self.rank == 0 and not self.options.quiet:
+        if self.rank == 0:  # what the run changes is said even with --quiet
             print(found.line(step), flush=True)
         self.step = step
         self.loader.load_state_dict(extra["loader"])

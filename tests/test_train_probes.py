@@ -1,0 +1,144 @@
+"""The training surfaces' contract, one representative probe per class of fault, end to end
+through ``cutpipe train`` (docs/training.md, "Checkpoints" and "Launch"): bad input is one line
+and exit status 2 before any training step, whether the launcher or a worker finds it; nothing
+hangs on a file that is not a file; a signal ends the launcher with its documented status and
+one line; SIGKILL of the launcher leaves no process behind; a resumed run says what it changed
+and refuses another run's checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "examples" / "models" / "tiny-dense.yaml")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def cutpipe(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "cutpipe", "train", "--nproc", "2", *args]
+    return subprocess.run(
+        command, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def one_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_the_launcher_finds_is_one_line_before_any_process(tmp_path):
+    model = tmp_path / "bad.yaml"
+    model.write_text(
+        "layers: 4\nhidden: 64\nheads: 4\nffn: 32\nvocab: 256\nseq_len: 16\nkv_heads: 3\n"
+    )
+    result = cutpipe("-s", "1f1b", "--model", str(model), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "kv_heads 3 must divide heads 4" in one_line(result)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
+def test_a_named_pipe_in_the_data_is_skipped_and_said(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "text.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    os.mkfifo(data / "pipe")
+    result = cutpipe("-s", "1f1b", "--model", TINY, "--data", str(data), "--steps", "1",
+                     "--seq-len", "16", "--quiet", cwd=tmp_path, timeout=100)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "skipped 1 named pipe" in result.stdout and "1 steps: loss" in result.stdout
+
+
+@pytest.mark.timeout(240)
+def test_resuming_says_what_it_changes_and_refuses_another_run_from_a_worker(tmp_path):
+    """The launcher cannot read a checkpoint's record without torch: a worker finds another
+    run's checkpoint, before any step, and the launcher says it once, with exit status 2."""
+    run = ["-s", "1f1b", "--model", TINY, "--seq-len", "32", "--checkpoint-dir", "ck", "--quiet"]
+    first = cutpipe(*run, "--steps", "2", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    changed = cutpipe(*run, "--steps", "3", "--resume", "--lr", "0.001", cwd=tmp_path)
+    assert changed.returncode == 0, changed.stderr
+    assert "resuming after step 2 with lr 0.003 -> 0.001, steps 2 -> 3" in changed.stdout
+    other = cutpipe(*run[:5], "64", *run[6:], "--steps", "4", "--resume", cwd=tmp_path)
+    assert other.returncode == 2
+    line = one_line(other)
+    assert "of another run (seq_len 32 -> 64)" in line and line.startswith("cutpipe train: error:")
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, frontier = set(), [pid]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            found.add(child)
+            frontier.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/proc").exists(), reason="reads the process tree from /proc")
+@pytest.mark.parametrize("when", ["starting", "running"])
+def test_sigkill_of_the_launcher_leaves_no_process(tmp_path, when):
+    """Killed outright while its workers start (still importing) or train, the launcher takes
+    them with it: each worker asks for a parent-death signal as its first line of Python."""
+    command = [sys.executable, "-m", "cutpipe", "train", "--nproc", "2", "-s", "1f1b",
+               "--emulate", "--steps", "100000", "--time-unit", "0.005", "--quiet"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)  # fmt: skip
+    seen: set[int] = set()
+    deadline = time.monotonic() + 90
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        seen |= _descendants(process.pid)
+    assert seen, "no worker started"
+    if when == "running":
+        time.sleep(8)
+        seen |= _descendants(process.pid)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in seen) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in seen if _alive(p)], "processes outlived their launcher"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc").exists(), reason="reads the process tree from /proc")
+def test_sigterm_to_the_launcher_is_its_status_and_one_line(tmp_path):
+    command = [sys.executable, "-m", "cutpipe", "train", "--nproc", "2", "-s", "1f1b",
+               "--emulate", "--steps", "100000", "--time-unit", "0.005", "--quiet"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 90
+    while len(_descendants(process.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(6)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143
+    assert stderr.strip() == "cutpipe train: stopped by SIGTERM", stderr
