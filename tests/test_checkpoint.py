@@ -7,6 +7,8 @@ import errno
 import json
 import os
 import random
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -39,6 +41,7 @@ from cutpipe.train.checkpoint import (
 from cutpipe.train.checkpoint.agreement import SaveRequest, check_save_agreement
 from cutpipe.train.checkpoint.errors import Failure
 from cutpipe.train.checkpoint.folders import RUN, FileRecord, Manifest, write_mark
+from cutpipe.train.options import TrainOptions
 
 # a Checkpointer without a process group saves in DCP's writer thread, which warns that it
 # assumes a single process: that is the intent here
@@ -620,6 +623,21 @@ def test_a_restarted_worker_resumes_its_own_launch_only(tmp_path):
         other.start(FRESH, module, run="launch-2", restarted=True)
 
 
+def test_the_start_options_say_what_goes_together():
+    directory = {"checkpoint_dir": "ckpt"}
+    for flags, problem in [
+        ({"resume": True, "overwrite": True}, "--overwrite starts a new run and --resume"),
+        ({"resume_if_present": True, "overwrite": True}, "--overwrite starts a new run"),
+        ({"resume": True, "resume_if_present": True}, "--resume-if-present already resumes"),
+    ]:
+        with pytest.raises(ValueError, match=problem):
+            TrainOptions.build(**flags, **directory)
+    for flag in ("resume", "resume_if_present", "resume_fallback", "overwrite"):
+        with pytest.raises(ValueError, match="checkpoints need a directory"):
+            TrainOptions.build(**{flag: True})
+    TrainOptions.build(resume=True, resume_fallback=True, **directory)
+
+
 def test_the_checks_before_any_worker_import_no_torch():
     """``folders`` and ``integrity`` import only the standard library and cutpipe's torch-free
     modules, so that a launcher may check a directory with them."""
@@ -641,3 +659,31 @@ def test_the_checks_before_any_worker_import_no_torch():
             if isinstance(node, ast.ImportFrom):
                 targets = [node.module]
             assert not any(t.split(".")[0] == "torch" for t in targets), (name, targets)
+
+
+@pytest.mark.timeout(300)
+def test_cutpipe_train_refuses_to_hide_a_run_and_says_where_it_resumed(tmp_path):
+    """The trainer's wiring, end to end: the second new run into the same directory is refused
+    before it saves anything; ``--resume`` says which step it took."""
+    directory = tmp_path / "ckpt"
+    command = [sys.executable, "-m", "cutpipe", "train", "--quiet", "--schedule", "1f1b",
+               "--nproc", "1", "--checkpoint-every", "1", "--checkpoint-dir", str(directory)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def train(*more: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*command, *more], capture_output=True, text=True, env=env, timeout=200
+        )
+
+    first = train("--steps", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = listing(directory)
+    again = train("--steps", "2")
+    assert again.returncode != 0
+    assert f"--checkpoint-dir {directory} already holds checkpoints" in again.stderr
+    assert "Traceback" not in again.stderr
+    assert listing(directory) == before
+    resumed = train("--steps", "3", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {step_folder(directory, 2)} (after step 2)" in resumed.stdout
+    assert latest_checkpoint(directory) == step_folder(directory, 3)
