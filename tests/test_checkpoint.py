@@ -3,24 +3,36 @@ complete or invisible after a crash; the unsplit model exported to .pt and .safe
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import checkpoint_workers as workers
 import pytest
 import torch
 
+from cutpipe.cli.main import main as cli
 from cutpipe.launch import run, spawn
 from cutpipe.train.checkpoint import (
+    FRESH,
+    IF_PRESENT,
     MARK,
+    OVERWRITE,
     POINTER,
+    RESUME,
     Checkpointer,
     CheckpointError,
+    check_directory,
     export_checkpoint,
+    find_latest,
     latest_checkpoint,
     load,
+    read_metadata,
     read_safetensors,
     save,
     step_folder,
@@ -28,7 +40,8 @@ from cutpipe.train.checkpoint import (
 )
 from cutpipe.train.checkpoint.agreement import SaveRequest, check_save_agreement
 from cutpipe.train.checkpoint.errors import Failure
-from cutpipe.train.checkpoint.folders import Manifest, write_mark
+from cutpipe.train.checkpoint.folders import RUN, FileRecord, Manifest, write_mark
+from cutpipe.train.options import TrainOptions
 
 # a Checkpointer without a process group saves in DCP's writer thread, which warns that it
 # assumes a single process: that is the intent here
@@ -184,18 +197,19 @@ def test_keep_deletes_old_checkpoints_only_after_a_newer_one_is_complete(tmp_pat
     with Watching(tmp_path, keep=2) as checkpoints:
         for step in (1, 2):
             checkpoints.save(step, module, optimizer, scheduler)
-        leftover = step_folder(tmp_path, 3)  # a crashed save
+        leftover = step_folder(tmp_path, 3)  # a crashed save of another run: never deleted
         leftover.mkdir()
         checkpoints.save(4, module, optimizer, scheduler)
         checkpoints.wait()
         assert checkpoints.seen[-1] == ["step-000001", "step-000002", "step-000003", "step-000004"]
-        assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000002", "step-000004"]
+        names = sorted(p.name for p in tmp_path.glob("step-*"))
+        assert names == ["step-000002", "step-000003", "step-000004"]
         later = step_folder(tmp_path, 9)  # from a run that was resumed at an earlier step
         later.mkdir()
         checkpoints.save(5, module, optimizer, scheduler)
         checkpoints.save(6, module, optimizer, scheduler)
     names = sorted(p.name for p in tmp_path.glob("step-*"))
-    assert names == ["step-000005", "step-000006", "step-000009"]  # the later one is left alone
+    assert names == ["step-000003", "step-000005", "step-000006", "step-000009"]  # left alone
     assert latest_checkpoint(tmp_path) == step_folder(tmp_path, 6)
     assert all((step_folder(tmp_path, s) / MARK).exists() for s in (5, 6))
 
@@ -351,6 +365,17 @@ def test_the_completion_mark_is_written_and_read_as_before(tmp_path):
     assert manifest.saved_by(["a", "b"]) and not manifest.saved_by(["b", "a"])
     (tmp_path / MARK).write_text('{"format": "cutpipe-checkpoint/1"}')
     assert Manifest.read(tmp_path) == Manifest(step=0, world_size=None, layouts=None)
+    # each file's size and checksum, as a save records them
+    files = {".metadata": FileRecord(10, "ab" * 32), "__0_0.distcp": FileRecord(7, "cd" * 32)}
+    write_mark(tmp_path, replace(manifest, files=files))
+    assert json.loads((tmp_path / MARK).read_text())["files"]["__0_0.distcp"] == {
+        "size": 7,
+        "sha256": "cd" * 32,
+    }
+    assert Manifest.read(tmp_path).files == files
+    (tmp_path / MARK).write_text('{"format": "cutpipe-checkpoint/1", "files": {"a": 3}}')
+    with pytest.raises(CheckpointError, match="the files list of its complete.json cannot be read"):
+        Manifest.read(tmp_path)
 
 
 @pytest.mark.timeout(300)
@@ -367,3 +392,298 @@ def test_async_save_stalls_the_loop_less_than_a_synchronous_save(tmp_path):
         f"(slowest rank, median of 3)"
     )
     assert asynchronous > 0 and synchronous > 0
+
+
+# -- the contract: never lose or hide a run, verify what is read -----------------------------------
+
+
+def listing(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` with its bytes, by relative path."""
+    return {
+        str(path.relative_to(directory)): path.read_bytes()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+def two_checkpoints(directory: Path, steps=(3, 6), **model):
+    """An earlier run's checkpoints in ``directory``; the module they hold."""
+    module = workers.holding(workers.full_model(0, **model), workers.ALL)
+    for step in steps:
+        save(directory, step, module, extra={"position": step})
+    return module
+
+
+def test_a_new_run_is_refused_where_checkpoints_are(tmp_path):
+    module = two_checkpoints(tmp_path / "run")
+    before = listing(tmp_path / "run")
+    refused = r"already holds checkpoints \(the latest complete is step-000006\): pass --resume"
+    with pytest.raises(ValueError, match=refused):
+        check_directory(tmp_path / "run", FRESH)
+    with pytest.raises(ValueError, match=refused), Checkpointer(tmp_path / "run") as checkpoints:
+        checkpoints.start(FRESH, module)
+    assert listing(tmp_path / "run") == before  # nothing moved, deleted or overwritten
+    assert check_directory(tmp_path / "run", RESUME) == "step-000006"
+    assert check_directory(tmp_path / "run", IF_PRESENT) == "step-000006"
+    assert check_directory(tmp_path / "run", OVERWRITE) is None
+    step_folder(tmp_path / "half", 2).mkdir(parents=True)  # an unfinished save only
+    with pytest.raises(ValueError, match=r"holds checkpoints \(none of them complete\)"):
+        check_directory(tmp_path / "half", FRESH)
+    assert check_directory(tmp_path / "new" / "deeper", FRESH) is None  # made when saving
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is a file; give a folder"):
+        check_directory(tmp_path / "file" / "run", FRESH)
+    with pytest.raises(ValueError, match="resume must be one of"):
+        check_directory(tmp_path / "run", "yes")
+
+
+def test_overwrite_moves_the_earlier_run_aside_and_deletes_nothing(tmp_path):
+    directory = tmp_path / "run"
+    module = two_checkpoints(directory)
+    before = listing(directory)
+    said: list[str] = []
+    with Checkpointer(directory, keep=1, say=said.append) as checkpoints:
+        assert checkpoints.start(OVERWRITE, module) is None  # a new run: nothing resumed
+        (aside,) = directory.glob("replaced-*")
+        assert said == [
+            f"--overwrite: moved the checkpoints in {directory} aside to {aside} (kept: delete "
+            "that folder when they are no longer needed)"
+        ]
+        assert not (directory / POINTER).exists() and not list(directory.glob("step-*"))
+        for step in (3, 6, 9):  # the new run's, over the old run's step names; keep=1 prunes
+            checkpoints.save(step, module, extra={"position": -step})
+    assert listing(aside) == before  # the old run, byte for byte
+    assert sorted(p.name for p in directory.glob("step-*")) == ["step-000009"]
+    assert latest_checkpoint(directory) == step_folder(directory, 9)
+
+
+def test_resume_needs_a_complete_checkpoint_and_resume_if_present_starts_without(tmp_path):
+    module = trained()[0]
+    absent = tmp_path / "absent"
+    with pytest.raises(ValueError, match="does not exist, so there is nothing to resume"):
+        check_directory(absent, RESUME)
+    with pytest.raises(ValueError, match="nothing to resume"), Checkpointer(absent) as checkpoints:
+        checkpoints.start(RESUME, module)
+    with Checkpointer(absent) as checkpoints:
+        assert checkpoints.start(IF_PRESENT, module) is None
+    # an unfinished save of another run: no resume from it, and never deleted
+    directory = tmp_path / "run"
+    unfinished = step_folder(directory, 2)
+    unfinished.mkdir(parents=True)
+    (unfinished / "__0_0.distcp").write_bytes(b"another run's bytes")
+    with pytest.raises(ValueError, match="holds no complete checkpoint"):
+        check_directory(directory, RESUME)
+    said: list[str] = []
+    with Checkpointer(directory, say=said.append) as checkpoints:
+        assert checkpoints.start(IF_PRESENT, module) is None
+        checkpoints.save(2, module)
+    (aside,) = directory.glob("replaced-*")
+    assert said == [f"moved the unfinished {unfinished} aside to {aside}: this run saves that step"]
+    assert listing(aside) == {"step-000002/__0_0.distcp": b"another run's bytes"}
+    assert latest_checkpoint(directory) == unfinished
+
+
+def test_a_broken_latest_falls_back_to_the_newest_complete_step_with_a_note(tmp_path):
+    module = two_checkpoints(tmp_path, steps=(2, 4))
+    step_folder(tmp_path, 5).mkdir()  # unfinished
+    pointer = tmp_path / POINTER
+    for text, why in [
+        ("garbage\x00", "does not name a step folder ('garbage\\x00')"),
+        ("step-000009", "names step-000009, which does not exist"),
+        ("step-000005", "names step-000005, which is not complete (no complete.json)"),
+    ]:
+        pointer.write_text(text)
+        found = find_latest(tmp_path)
+        assert found.folder == step_folder(tmp_path, 4)
+        assert found.note == f"{pointer} {why}: using step-000004, the newest complete one"
+    pointer.unlink()
+    assert find_latest(tmp_path).note.endswith(
+        "latest is missing: using step-000004, the newest complete one"
+    )
+    pointer.write_text("garbage")
+    said: list[str] = []
+    with Checkpointer(tmp_path, say=said.append) as checkpoints:
+        restored = checkpoints.start(RESUME, module)
+    assert restored.step == 4 and restored.extra == {"position": 4}
+    assert said[0].startswith(f"{pointer} does not name a step folder ('garbage')")
+    assert said[-1] == f"resumed from {step_folder(tmp_path, 4)} (after step 4)"
+
+
+def zero_inside_a_weight(folder: Path) -> str:
+    """Zero 8 KiB in the middle of one weight's bytes; the file's name."""
+    storage = read_metadata(folder).storage_data
+    (where,) = [info for index, info in storage.items() if index.fqn == "model.layers.3.up.weight"]
+    assert where.length > 3 * 8192  # the weight is larger than what is zeroed
+    with open(folder / where.relative_path, "r+b") as file:
+        file.seek(where.offset + where.length // 2 - 4096)
+        file.write(bytes(8192))
+    return where.relative_path
+
+
+def truncate(folder: Path) -> str:
+    (shard,) = folder.glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return shard.name
+
+
+@pytest.mark.parametrize("damage", [zero_inside_a_weight, truncate])
+def test_a_damaged_checkpoint_is_found_on_load_and_on_export(tmp_path, damage, capsys):
+    big = dict(width=64, hidden=128)  # 32 KiB weights
+    module = two_checkpoints(tmp_path, steps=(2, 4), **big)
+    newest = step_folder(tmp_path, 4)
+    name = damage(newest)
+    other = workers.holding(workers.full_model(1, **big), workers.ALL)
+    problem = "does not match the SHA-256" if damage is zero_inside_a_weight else "(truncated)"
+    with pytest.raises(CheckpointError) as error:
+        load(tmp_path, other)
+    message = str(error.value)
+    assert message.startswith(f"checkpoint {newest} is damaged: {name} ") and problem in message
+    assert "--resume-fallback" in message and "\n" not in message
+    weight = "layers.3.up.weight"
+    assert not torch.equal(other.get_parameter(weight), module.get_parameter(weight))  # untouched
+    with pytest.raises(CheckpointError, match=f"^checkpoint {newest} is damaged: {name} "):
+        export_checkpoint(tmp_path, tmp_path / "model.pt")
+    assert not (tmp_path / "model.pt").exists()
+    assert cli(["export", "--checkpoint", str(tmp_path), "-o", str(tmp_path / "m.pt")]) == 1
+    printed = capsys.readouterr().err.strip()
+    assert printed.startswith(f"cutpipe export: checkpoint {newest} is damaged: {name} ")
+    assert "\n" not in printed and "Traceback" not in printed
+    # --resume-fallback: the newest intact older one, saying which
+    restored = load(tmp_path, other, fallback=True)
+    assert restored.step == 2 and restored.notes[0].endswith("passed over for an older checkpoint")
+    assert torch.equal(other.get_parameter(weight), module.get_parameter(weight))
+    said: list[str] = []
+    with Checkpointer(tmp_path, say=said.append) as checkpoints:
+        assert checkpoints.start(RESUME, other, fallback=True).step == 2
+        assert said[-1] == f"resumed from {step_folder(tmp_path, 2)} (after step 2)"
+        checkpoints.save(4, other)  # the damaged step 4 is moved aside, not refused or deleted
+    (aside,) = tmp_path.glob("replaced-*")
+    assert (aside / "step-000004" / name).exists()
+    assert latest_checkpoint(tmp_path) == newest
+    load(tmp_path, other)  # verified
+    for step in (2, 4):  # and with no intact one left
+        truncate(step_folder(tmp_path, step))
+    with pytest.raises(CheckpointError, match="and no older checkpoint in .* is intact"):
+        load(tmp_path, other, fallback=True)
+
+
+def test_a_mark_without_checksums_loads_with_a_note(tmp_path):
+    module = two_checkpoints(tmp_path, steps=(1,))
+    folder = step_folder(tmp_path, 1)
+    write_mark(folder, replace(Manifest.read(folder), files=None))  # as cutpipe wrote it before
+    unverified = f"{folder} was saved without checksums (by an older cutpipe): read unverified"
+    assert unverified in load(tmp_path, module).notes
+    notes: list[str] = []
+    export_checkpoint(tmp_path, tmp_path / "model.pt", note=notes.append)
+    assert notes == [unverified]
+    truncate(folder)  # unverified, so found only by DCP: still one line, no traceback
+    with pytest.raises(CheckpointError, match=f"^cannot read the checkpoint {folder}: EOFError"):
+        load(tmp_path, module)
+
+
+def test_a_failed_background_write_stops_with_one_line_and_latest_stays(tmp_path, monkeypatch):
+    """A full disk, simulated: DCP's writer fails as a write would with ENOSPC."""
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    module = trained()[0]
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with Checkpointer(tmp_path, keep=1) as checkpoints:
+        checkpoints.save(2, module)
+        checkpoints.wait()
+        with monkeypatch.context() as patch:
+            patch.setattr(dcp_files, "_write_item", full)
+            checkpoints.save(4, module)
+            with pytest.raises(CheckpointError) as error:
+                checkpoints.wait()
+        assert str(error.value) == (
+            f"checkpoint {step_folder(tmp_path, 4)} was not completed: OSError: [Errno 28] No "
+            "space left on device; latest still names step-000002"
+        )
+        assert latest_checkpoint(tmp_path) == step_folder(tmp_path, 2)
+        checkpoints.save(6, module)  # space again: its own unfinished step 4 goes with keep=1
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000006"]
+
+
+def test_a_restarted_worker_resumes_its_own_launch_only(tmp_path):
+    module = trained()[0]
+    first = Checkpointer(tmp_path)
+    assert first.start(FRESH, module, run="launch-1") is None
+    first.save(2, module)
+    first.wait()
+    first.abandon()  # the worker died (no close): its launch's claim stays
+    assert json.loads((tmp_path / RUN).read_text()) == {"run": "launch-1"}
+    with Checkpointer(tmp_path) as restarted:
+        assert restarted.start(FRESH, module, run="launch-1", restarted=True).step == 2
+    assert not (tmp_path / RUN).exists()  # finished: released
+    other = Checkpointer(tmp_path)
+    with pytest.raises(ValueError, match="already holds checkpoints"):  # another launch's
+        other.start(FRESH, module, run="launch-2", restarted=True)
+
+
+def test_the_start_options_say_what_goes_together():
+    directory = {"checkpoint_dir": "ckpt"}
+    for flags, problem in [
+        ({"resume": True, "overwrite": True}, "--overwrite starts a new run and --resume"),
+        ({"resume_if_present": True, "overwrite": True}, "--overwrite starts a new run"),
+        ({"resume": True, "resume_if_present": True}, "--resume-if-present already resumes"),
+    ]:
+        with pytest.raises(ValueError, match=problem):
+            TrainOptions.build(**flags, **directory)
+    for flag in ("resume", "resume_if_present", "resume_fallback", "overwrite"):
+        with pytest.raises(ValueError, match="checkpoints need a directory"):
+            TrainOptions.build(**{flag: True})
+    TrainOptions.build(resume=True, resume_fallback=True, **directory)
+
+
+def test_the_checks_before_any_worker_import_no_torch():
+    """``folders`` and ``integrity`` import only the standard library and cutpipe's torch-free
+    modules, so that a launcher may check a directory with them."""
+    import ast
+
+    import cutpipe.train.checkpoint as package
+
+    root = Path(package.__file__).parent
+    allowed = {
+        "cutpipe.files",
+        "cutpipe.train.checkpoint.errors",
+        "cutpipe.train.checkpoint.folders",
+    }
+    for name in ("folders.py", "integrity.py", "errors.py"):
+        for node in ast.walk(ast.parse((root / name).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module.startswith("cutpipe"):
+                assert node.module in allowed, (name, node.module)
+            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                targets = [node.module]
+            assert not any(t.split(".")[0] == "torch" for t in targets), (name, targets)
+
+
+@pytest.mark.timeout(300)
+def test_cutpipe_train_refuses_to_hide_a_run_and_says_where_it_resumed(tmp_path):
+    """The trainer's wiring, end to end: the second new run into the same directory is refused
+    before it saves anything; ``--resume`` says which step it took."""
+    directory = tmp_path / "ckpt"
+    command = [sys.executable, "-m", "cutpipe", "train", "--quiet", "--schedule", "1f1b",
+               "--nproc", "1", "--checkpoint-every", "1", "--checkpoint-dir", str(directory)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def train(*more: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*command, *more], capture_output=True, text=True, env=env, timeout=200
+        )
+
+    first = train("--steps", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = listing(directory)
+    again = train("--steps", "2")
+    assert again.returncode != 0
+    assert f"--checkpoint-dir {directory} already holds checkpoints" in again.stderr
+    assert "Traceback" not in again.stderr
+    assert listing(directory) == before
+    resumed = train("--steps", "3", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {step_folder(directory, 2)} (after step 2)" in resumed.stdout
+    assert latest_checkpoint(directory) == step_folder(directory, 3)

@@ -68,7 +68,8 @@ def test_resuming_says_what_it_changes_and_refuses_another_run_from_a_worker(tmp
     assert first.returncode == 0, first.stderr
     changed = cutpipe(*run, "--steps", "3", "--resume", "--lr", "0.001", cwd=tmp_path)
     assert changed.returncode == 0, changed.stderr
-    assert "resuming after step 2 with lr 0.003 -> 0.001, steps 2 -> 3" in changed.stdout
+    assert "resumed from ck/step-000002 (after step 2)" in changed.stdout
+    assert "the resumed run changes lr 0.003 -> 0.001, steps 2 -> 3" in changed.stdout
     other = cutpipe(*run[:5], "64", *run[6:], "--steps", "4", "--resume", cwd=tmp_path)
     assert other.returncode == 2
     line = one_line(other)

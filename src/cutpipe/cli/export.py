@@ -1,8 +1,9 @@
 """``cutpipe export``: the plain unsplit model out of a training checkpoint.
 
 Reads the latest complete checkpoint of a ``cutpipe train --checkpoint-dir`` directory (or one
-``step-...`` folder) in this one process, with no process group, and writes the model's state
-dict under the unsplit model's names as ``.safetensors`` or ``.pt`` (docs/training.md).
+``step-...`` folder) in this one process, with no process group, after checking its files against
+the checksums its completion mark records, and writes the model's state dict under the unsplit
+model's names as ``.safetensors`` or ``.pt`` (docs/training.md).
 """
 
 from __future__ import annotations
@@ -30,5 +31,6 @@ def run(args: argparse.Namespace) -> int:
     require_torch()
     from cutpipe.train.checkpoint import export_checkpoint
 
-    print(f"wrote {export_checkpoint(args.checkpoint, args.output)}: the unsplit model")
+    written = export_checkpoint(args.checkpoint, args.output, note=print)
+    print(f"wrote {written}: the unsplit model")
     return 0

@@ -80,6 +80,14 @@ def check(options: TrainOptions) -> None:
     layout = run_layout(options, options.nproc * options.nnodes, task)
     if options.backend == "gloo" and not options.emulate:
         check_host_memory(task, layout, options.nproc)
+    if options.checkpoint_dir:
+        from cutpipe.train.checkpoint.folders import check_directory, start_mode
+
+        mode = start_mode(
+            resume=options.resume, resume_if_present=options.resume_if_present,
+            overwrite=options.overwrite,
+        )  # fmt: skip
+        check_directory(options.checkpoint_dir, mode)
     if isinstance(task, LanguageModelTask) and not options.emulate:
         from cutpipe.data import check_data
 

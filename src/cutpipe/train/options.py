@@ -177,7 +177,20 @@ class CheckpointOptions:
         metavar="STEPS",
     )  # fmt: skip
     keep: int = option(2, "complete checkpoints kept", Whole(1))
-    resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir")
+    resume: bool = option(
+        False, "continue from the latest complete checkpoint in --checkpoint-dir (an error if "
+        "there is none)",
+    )  # fmt: skip
+    resume_if_present: bool = option(
+        False, "continue from the latest complete checkpoint if there is one, else start at step 1"
+    )
+    resume_fallback: bool = option(
+        False, "when resuming, take the newest intact checkpoint if the latest is damaged"
+    )
+    overwrite: bool = option(
+        False, "start a new run in a --checkpoint-dir that holds checkpoints: they are moved aside "
+        "into DIR/replaced-<UTC time>/ (kept)",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -324,8 +337,18 @@ class TrainOptions:
                 "--step-boundary overlap and --skip-nonfinite undo a step from copies of plain "
                 "parameters and optimizer state: use --dp-mode allreduce"
             )
-        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+        uses_checkpoints = (
+            self.checkpoint_every, self.resume, self.resume_if_present, self.resume_fallback,
+            self.overwrite,
+        )  # fmt: skip
+        if any(uses_checkpoints) and not self.checkpoint_dir:
             problems.append("checkpoints need a directory: give checkpoint_dir (--checkpoint-dir)")
+        if self.resume and self.resume_if_present:
+            problems.append("--resume-if-present already resumes: give it or --resume, not both")
+        if self.overwrite and (self.resume or self.resume_if_present):
+            problems.append(
+                "--overwrite starts a new run and --resume continues one: give one of them"
+            )
         if self.profile_steps is not None:
             first, last = self.profile_steps
             if not 1 <= first <= last <= self.steps:

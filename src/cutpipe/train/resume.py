@@ -90,17 +90,17 @@ class Differences:
             "the run; resume with the same values, or start a new run in another --checkpoint-dir"
         )
 
-    def line(self, step: int) -> str:
-        """What the resumed run changes, for rank 0 to print."""
+    def line(self) -> str | None:
+        """What the resumed run changes, for rank 0 to print (None: nothing)."""
         if not self.recorded:
-            return f"resuming after step {step}: the checkpoint records no options to compare"
+            return "the checkpoint records no options: the resumed run is compared on nothing"
         if not self.changed:
-            return f"resuming after step {step} with the same options"
+            return None
         said = ", ".join(f"{name} {_pair(old, new)}" for name, (old, new) in self.changed.items())
         note = ""
         if self.reschedules:
             note = " (the learning rate follows the new schedule from this step)"
-        return f"resuming after step {step} with {said}{note}"
+        return f"the resumed run changes {said}{note}"
 
 
 def differences(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) -> Differences:

@@ -14,6 +14,7 @@ for their costs instead (no model, no data). docs/training.md walks through a ru
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import signal
@@ -120,7 +121,9 @@ class Trainer:
         if options.checkpoint_dir:
             from cutpipe.train.checkpoint import Checkpointer
 
-            self.checkpoints = Checkpointer(options.checkpoint_dir, keep=options.keep)
+            self.checkpoints = Checkpointer(  # rank 0 says what it did with the directory
+                options.checkpoint_dir, keep=options.keep, say=functools.partial(print, flush=True)
+            )
 
     def _build(self) -> None:
         """This rank's stages of the model, parallelized, their runner and optimizer."""
@@ -206,22 +209,36 @@ class Trainer:
         record = run_record(self.options, self.task, self.layout)
         return {"step": self.step, "loader": self.loader.state_dict(), "run": record}
 
-    def resume(self) -> int | None:
-        """Continue from the latest complete checkpoint, if any; the step it was taken after."""
+    def resume(self, restarted: bool = False) -> int | None:
+        """Begin in the checkpoint directory as the options say (a new run is refused where
+        checkpoints are; docs/training.md, "Checkpoints") and continue from its latest complete
+        checkpoint when the run resumes, or the agent ``restarted`` this worker; the step it was
+        taken after."""
         if self.checkpoints is None:
             return None
+        from cutpipe.train.checkpoint import start_mode
         from cutpipe.train.resume import apply_schedule, differences, run_record
 
-        extra = self.checkpoints.load_latest(self.held, self.optimizer, self.scheduler)
-        if extra is None:
+        checkpoints = self.options.checkpoints
+        mode = start_mode(
+            resume=checkpoints.resume, resume_if_present=checkpoints.resume_if_present,
+            overwrite=checkpoints.overwrite,
+        )  # fmt: skip
+        restored = self.checkpoints.start(
+            mode, self.held, self.optimizer, self.scheduler, fallback=checkpoints.resume_fallback,
+            run=os.environ.get("TORCHELASTIC_RUN_ID"), restarted=restarted,
+        )  # fmt: skip
+        if restored is None:
             return None
+        extra = restored.extra
         step = int(extra["step"])
         found = differences(extra.get("run"), run_record(self.options, self.task, self.layout))
         found.check(step)  # another run's checkpoint: refused before any step
         if found.reschedules:
             apply_schedule(self.optimizer, self.scheduler, self.options)
-        if self.rank == 0:  # what the run changes is said even with --quiet
-            print(found.line(step), flush=True)
+        said = found.line()
+        if said and self.rank == 0:  # what the run changes is said even with --quiet
+            print(said, flush=True)
         self.step = step
         self.loader.load_state_dict(extra["loader"])
         return self.step
@@ -398,7 +415,7 @@ def train(options: TrainOptions) -> dict[str, Any]:
     if rank == 0 and not options.quiet:
         print(trainer.describe(), flush=True)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    resumed = trainer.resume() if (options.resume or restarted) else None
+    resumed = trainer.resume(restarted)
     log = MetricsLog(options.log, append=resumed is not None) if rank == 0 else None
     progress = ProgressLine(options, trainer, resumed) if rank == 0 and not options.quiet else None
     profiler = Profiler(options, rank, first_step=trainer.step + 1)

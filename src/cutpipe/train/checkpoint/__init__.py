@@ -9,7 +9,9 @@ of a name saved by several ranks).
 
 The modules, each with one job:
 
-- ``folders``: the directory on disk (step folders, the completion mark, ``latest``, pruning);
+- ``folders``: the directory on disk (step folders, the completion mark, ``latest``, pruning,
+  what is moved aside) and whether a run may start in it (``check_directory``, torch-free);
+- ``integrity``: each file's checksum in the mark, checked before a load or an export reads;
 - ``state``: the keys a rank saves (model, optimizer, scheduler, step, ``extra``, RNG states);
 - ``optimizer_state``: the optimizer flattened by FQN, and rebuilt for any grouping;
 - ``ranks``: the process group a save or a load runs over, or none;
@@ -25,14 +27,23 @@ from cutpipe.train.checkpoint.errors import CheckpointError
 from cutpipe.train.checkpoint.export import export_checkpoint, model_state
 from cutpipe.train.checkpoint.folders import (
     FORMAT,
+    FRESH,
+    IF_PRESENT,
     MARK,
+    OVERWRITE,
     POINTER,
+    RESUME,
+    START_MODES,
+    check_directory,
+    find_latest,
     is_complete,
     latest_checkpoint,
     prune,
     resolve,
+    start_mode,
     step_folder,
 )
+from cutpipe.train.checkpoint.integrity import verify
 from cutpipe.train.checkpoint.load import Restored, load, read_metadata
 from cutpipe.train.checkpoint.ranks import alone_quietly
 from cutpipe.train.checkpoint.safetensors_file import read_safetensors, write_safetensors
@@ -40,13 +51,20 @@ from cutpipe.train.checkpoint.save import Checkpointer, save
 
 __all__ = [
     "FORMAT",
+    "FRESH",
+    "IF_PRESENT",
     "MARK",
+    "OVERWRITE",
     "POINTER",
+    "RESUME",
+    "START_MODES",
     "CheckpointError",
     "Checkpointer",
     "Restored",
     "alone_quietly",
+    "check_directory",
     "export_checkpoint",
+    "find_latest",
     "is_complete",
     "latest_checkpoint",
     "load",
@@ -56,6 +74,8 @@ __all__ = [
     "read_safetensors",
     "resolve",
     "save",
+    "start_mode",
     "step_folder",
+    "verify",
     "write_safetensors",
 ]

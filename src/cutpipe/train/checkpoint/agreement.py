@@ -96,12 +96,13 @@ class Holding:
 @dataclass(frozen=True)
 class LoadRequest:
     """What one rank tells the others before a load: what it holds and, from rank 0 only, the
-    folder every rank reads or why there is none (one rank looks, so that all read the same
-    ``latest``)."""
+    folder every rank reads (verified) and the notes on that choice, or why there is none (one
+    rank looks, so that all read the same ``latest``)."""
 
     holding: Holding
     folder: Path | None = None
     failure: Failure | None = None
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

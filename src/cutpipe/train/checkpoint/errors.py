@@ -39,3 +39,38 @@ class Failure:
             if exception_class.__name__ == self.kind:
                 return exception_class(self.message)
         return otherwise(self.message)
+
+
+def one_line(error: BaseException, most: int = 300) -> str:
+    """``error`` as one line: its class and message, whitespace collapsed, cut at ``most``."""
+    text = " ".join(str(error).split())
+    line = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return line if len(line) <= most else line[: most - 3] + "..."
+
+
+def by_ranks(texts: dict[int, str]) -> str:
+    """What each rank said, once per distinct message: ``"rank 1: X; ranks 0, 2: Y"``, or just
+    ``"X"`` when every rank said the same."""
+    if len(set(texts.values())) == 1:
+        return next(iter(texts.values()))
+    said: dict[str, list[int]] = {}
+    for rank, text in sorted(texts.items()):
+        said.setdefault(text, []).append(rank)
+    parts = []
+    for text, ranks in said.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        parts.append(f"{who}: {text}")
+    return "; ".join(parts)
+
+
+def cause(error: BaseException) -> str:
+    """One line for what went wrong. DCP raises a ``CheckpointException`` (a ``BaseException``)
+    whose text holds every failed rank's traceback: it is unwrapped to each rank's exception."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        texts = {}
+        for rank, failure in failures.items():
+            inner = failure[0] if isinstance(failure, tuple) and failure else failure
+            texts[rank] = one_line(inner) if isinstance(inner, BaseException) else str(inner)
+        return by_ranks(texts)
+    return one_line(error)

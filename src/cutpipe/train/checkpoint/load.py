@@ -1,8 +1,10 @@
 """Loading a checkpoint into any layout of the same model: each rank reads only the names it holds.
 
-Rank 0 decides which folder to read (one view of ``latest``); the ranks swap what each holds and
-check together that the checkpoint fits the layout (``agreement``), then DCP reads every rank's
-keys from wherever they were saved. RNG states come back only into the layout that saved them.
+Rank 0 decides which folder to read (one view of ``latest``) and checks its files against the
+checksums of its mark (``integrity``); the ranks swap what each holds and check together that the
+checkpoint fits the layout (``agreement``), then DCP reads every rank's keys from wherever they
+were saved. RNG states come back only into the layout that saved them. A file DCP cannot read is
+a ``CheckpointError`` of one line on every rank (DCP's own failures reach every rank).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -27,8 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from cutpipe.train.checkpoint.agreement import Holding, LoadRequest, SavedNames, name_problems
-from cutpipe.train.checkpoint.errors import Failure
-from cutpipe.train.checkpoint.folders import Manifest, resolve
+from cutpipe.train.checkpoint.errors import CheckpointError, Failure, cause
+from cutpipe.train.checkpoint.folders import Manifest
+from cutpipe.train.checkpoint.integrity import choose
 from cutpipe.train.checkpoint.optimizer_state import (
     OptimizerKey,
     nested_optimizer,
@@ -50,9 +54,16 @@ class Restored:
     notes: tuple[str, ...] = ()
 
 
+#: What a damaged checkpoint's error suggests to a load without ``fallback``.
+FALLBACK_HINT = "--resume-fallback (fallback=True in code) resumes from the newest intact one"
+
+
 def read_metadata(folder: Path) -> Metadata:
-    """DCP's index of a checkpoint folder."""
-    return dcp.FileSystemReader(str(folder)).read_metadata()
+    """DCP's index of a checkpoint folder; a ``CheckpointError`` if it cannot be read."""
+    try:
+        return dcp.FileSystemReader(str(folder)).read_metadata()
+    except Exception as error:
+        raise CheckpointError(f"cannot read the index of {folder}: {cause(error)}") from None
 
 
 def load(
@@ -63,6 +74,7 @@ def load(
     *,
     process_group: dist.ProcessGroup | None = None,
     allow_partial: bool = False,
+    fallback: bool = False,
 ) -> Restored:
     """Load the checkpoint ``path`` (a step folder, or a directory: its latest) into this rank's
     ``model`` (and ``optimizer``, ``scheduler``), whatever layout saved it.
@@ -70,11 +82,15 @@ def load(
     Every rank of ``process_group`` (default: the whole world; none in a single process) calls
     it and reads only the names its model holds. A name the ranks hold but the checkpoint lacks,
     or one the checkpoint holds but no rank does, is a ``ValueError`` naming them on every rank,
-    unless ``allow_partial``. RNG states are restored only if the same layout saved them."""
+    unless ``allow_partial``. RNG states are restored only if the same layout saved them.
+
+    Its files are checked against their checksums first: a damaged checkpoint is a
+    ``CheckpointError`` naming the file and the step, unless ``fallback`` (and ``path`` is a
+    directory): then the newest intact older checkpoint is loaded, and the notes say so."""
     ranks = Ranks.of(default_group(process_group))
     groups = optimizer_names(model, optimizer) if optimizer is not None else []
     mine = Holding.of(model, groups)
-    folder, everyone = _find_checkpoint(path, mine, ranks)
+    folder, everyone, notes = _find_checkpoint(path, mine, ranks, fallback)
     index = read_metadata(folder).state_dict_metadata
     saved = SavedNames.of(index)
     problems = _check_fit(folder, everyone, saved, optimizer is not None, allow_partial)
@@ -85,7 +101,7 @@ def load(
     keys = _keys_to_read(index, mine, optimizer_places, scheduler is not None, rng_keys_prefix)
     loaded = _read(folder, ranks, _placeholders(index, keys, model, optimizer_places))
     _restore_model_and_optimizer(model, optimizer, groups, loaded, optimizer_places)
-    notes = _restore_scheduler(scheduler, loaded)
+    notes += _restore_scheduler(scheduler, loaded)
     rng_restored = _restore_rng(loaded, ranks.rank)
     if not rng_restored:
         notes.append(
@@ -104,23 +120,26 @@ def load(
 
 
 def _find_checkpoint(
-    path: str | os.PathLike, mine: Holding, ranks: Ranks
-) -> tuple[Path, list[Holding]]:
-    """The folder to read, and what every rank holds. Rank 0 alone resolves ``path``, so that
-    every rank reads the same checkpoint even if ``latest`` moves meanwhile; its error, if it
-    finds none, is raised on every rank."""
+    path: str | os.PathLike, mine: Holding, ranks: Ranks, fallback: bool
+) -> tuple[Path, list[Holding], list[str]]:
+    """The folder to read, what every rank holds, and rank 0's notes on the choice. Rank 0 alone
+    resolves ``path`` and verifies the folder, so that every rank reads the same checkpoint even
+    if ``latest`` moves meanwhile; its error, if it finds none intact, is raised on every rank."""
     request = LoadRequest(mine)
     if ranks.rank == 0:
         try:
-            request = LoadRequest(mine, folder=resolve(path))
-        except OSError as error:
+            folder, notes = choose(path, fallback=fallback, hint=FALLBACK_HINT)
+            request = LoadRequest(mine, folder=folder, notes=tuple(notes))
+        except (OSError, CheckpointError) as error:
             request = LoadRequest(mine, failure=Failure.of(error))
     requests: list[LoadRequest] = ranks.gather(request)
     found = requests[0]
     if found.failure is not None:
-        raise found.failure.exception(NotADirectoryError, otherwise=FileNotFoundError)
+        raise found.failure.exception(
+            NotADirectoryError, CheckpointError, otherwise=FileNotFoundError
+        )
     assert found.folder is not None  # rank 0 sends a folder or a failure
-    return found.folder, [request.holding for request in requests]
+    return found.folder, [request.holding for request in requests], list(found.notes)
 
 
 def _check_fit(
@@ -199,8 +218,11 @@ def _distributed(model: nn.Module) -> dict[str, DTensor]:
 def _read(folder: Path, ranks: Ranks, placeholders: dict[str, Any]) -> dict[str, Any]:
     """Fill ``placeholders`` from ``folder``, with every rank of the group at once."""
     alone = ranks.group is None
-    with alone_quietly(alone):
-        dcp.load(placeholders, checkpoint_id=folder, process_group=ranks.group, no_dist=alone)
+    try:
+        with alone_quietly(alone):
+            dcp.load(placeholders, checkpoint_id=folder, process_group=ranks.group, no_dist=alone)
+    except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+        raise CheckpointError(f"cannot read the checkpoint {folder}: {cause(error)}") from None
     return placeholders
 
 

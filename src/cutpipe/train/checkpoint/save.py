@@ -2,16 +2,23 @@
 the checkpoint complete once every part is on disk.
 
 ``Checkpointer.save`` blocks only while the state is copied (``dcp.async_save``); a writer thread
-then waits for every rank's part, marks the folder complete, moves ``latest`` and prunes old
-checkpoints (``folders``). Background writes use a gloo group of their own, so that they never
-interleave with the training's collectives.
+then waits for every rank's part, hashes the files and marks the folder complete (``integrity``),
+moves ``latest`` and prunes old checkpoints (``folders``). Background writes use a gloo group of
+their own, so that they never interleave with the training's collectives.
+
+``Checkpointer.start`` begins a run in the directory: it refuses a new run where checkpoints are
+(they would be hidden or overwritten), moves them aside when asked, and resumes from the newest
+complete checkpoint, verified first. A save whose step folder exists moves the old one aside
+rather than delete a folder this run did not write.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,26 +26,40 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 
 from cutpipe.train.checkpoint.agreement import (
     SaveRequest,
     check_save_agreement,
     layout_fingerprint,
 )
-from cutpipe.train.checkpoint.errors import CheckpointError, Failure
+from cutpipe.train.checkpoint.errors import CheckpointError, Failure, by_ranks, cause, one_line
 from cutpipe.train.checkpoint.folders import (
+    IF_PRESENT,
+    OVERWRITE,
     Manifest,
+    check_directory,
+    claim,
+    claimed_by,
     is_complete,
     latest_checkpoint,
     point_latest,
     prune,
-    remove_checkpoint,
+    release,
+    set_aside,
     step_folder,
+    used_names,
     write_mark,
 )
+from cutpipe.train.checkpoint.integrity import digest_folder
 from cutpipe.train.checkpoint.load import Restored, load
 from cutpipe.train.checkpoint.ranks import Ranks, alone_quietly, default_group
 from cutpipe.train.checkpoint.state import extra_text, rank_state
+
+
+def _step_of(folder: Path) -> int:
+    """The step of a ``step-NNNNNN`` folder."""
+    return int(folder.name.split("-", 1)[1])
 
 
 def _check_step(step: int) -> None:
@@ -56,7 +77,8 @@ class Checkpointer:
     is a subgroup of the world passes a gloo group of its ranks. ``save`` blocks only to copy the
     state (``stall`` says how long) and waits first for the previous save. ``wait`` returns when
     the pending checkpoint is complete on every rank, ``latest`` updated; ``close`` waits and lets
-    the group go.
+    the group go. ``say`` hears, on rank 0, each line worth reporting: a folder moved aside, the
+    step a run resumed from, a checkpoint passed over.
     """
 
     def __init__(
@@ -66,6 +88,7 @@ class Checkpointer:
         keep: int | None = None,
         process_group: dist.ProcessGroup | None = None,
         asynchronous: bool = True,
+        say: Callable[[str], None] | None = None,
     ) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be a whole number >= 1 or None (keep all), got {keep!r}")
@@ -78,7 +101,12 @@ class Checkpointer:
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = self._own_group = dist.new_group(backend="gloo")
         self._ranks = Ranks.of(process_group)
+        self._say = say
         self._pending: Future[Path] | None = None
+        self._pending_folder: Path | None = None
+        self._written: set[Path] = set()  # the step folders this checkpointer began
+        self._resumed_step: int | None = None
+        self._run: str | None = None  # the launch that claimed the directory, to release it
         self._executor: ThreadPoolExecutor | None = None
         self.stall = 0.0  # seconds the last save() kept its caller waiting
 
@@ -105,6 +133,8 @@ class Checkpointer:
         state = rank_state(self._ranks.rank, step, model, optimizer, scheduler, mine.extra)
         layouts = tuple(request.layout for request in everyone)
         manifest = Manifest(step=step, world_size=self._ranks.size, layouts=layouts)
+        self._written.add(folder)
+        self._pending_folder = folder
         if self.asynchronous:
             self._write_in_background(state, folder, manifest)
         else:
@@ -131,17 +161,23 @@ class Checkpointer:
         return SaveRequest(step=step, extra=text, layout=layout, refusal=refusal)
 
     def _prepare_folder(self, folder: Path) -> None:
-        """Rank 0, before anyone writes: clear ``folder`` of a save that never became the latest
-        (a crash before the mark or the pointer, or a run resumed from an earlier step)."""
+        """Rank 0, before anyone writes: move aside whatever holds ``folder``'s name (a save that
+        never became the latest, a later step of a run resumed from an earlier one, the damaged
+        checkpoint a resume fell back from), never deleting a folder this run did not write."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             if folder.exists():
-                if is_complete(folder) and latest_checkpoint(self.directory) == folder:
+                # a run resumed from an earlier step (passing over a damaged latest) saves anew
+                behind = self._resumed_step is not None and self._resumed_step < _step_of(folder)
+                latest = is_complete(folder) and latest_checkpoint(self.directory) == folder
+                if latest and not behind:
                     raise CheckpointError(
                         f"{folder} is the latest complete checkpoint: each save needs a new "
-                        "step (delete that folder to save this step again)"
+                        "step (move that folder away to save this step again)"
                     )
-                remove_checkpoint(folder)
+                kind = "earlier" if is_complete(folder) else "unfinished"
+                aside = set_aside(self.directory, [folder.name])
+                self._tell(f"moved the {kind} {folder} aside to {aside}: this run saves that step")
         except OSError as error:
             raise CheckpointError(
                 f"cannot write checkpoints into {self.directory}: {error}"
@@ -150,12 +186,15 @@ class Checkpointer:
     def _write_in_background(self, state: dict[str, Any], folder: Path, manifest: Manifest) -> None:
         """Start DCP's asynchronous save (it returns once the state is copied), and a writer
         thread that completes the checkpoint once every rank's part is on disk."""
-        written = dcp.async_save(
-            state,
-            checkpoint_id=folder,
-            process_group=self._ranks.group,
-            no_dist=self._ranks.group is None,
-        )
+        try:
+            written = dcp.async_save(
+                state,
+                checkpoint_id=folder,
+                process_group=self._ranks.group,
+                no_dist=self._ranks.group is None,
+            )
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+            raise CheckpointError(f"checkpoint {folder} was not started: {cause(error)}") from None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="cutpipe-checkpoint")
         self._pending = self._executor.submit(self._finish, written, folder, manifest)
@@ -164,25 +203,38 @@ class Checkpointer:
         """Save and complete the checkpoint before returning; a failure on any rank raises on
         every rank, as ``wait`` does."""
         alone = self._ranks.group is None
-        with alone_quietly(alone):
-            dcp.save(state, checkpoint_id=folder, process_group=self._ranks.group, no_dist=alone)
+
+        def write_and_finish() -> Path:
+            try:
+                with alone_quietly(alone):
+                    dcp.save(
+                        state, checkpoint_id=folder, process_group=self._ranks.group, no_dist=alone
+                    )
+            except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+                raise CheckpointError(cause(error)) from None
+            return self._finish(None, folder, manifest)
+
         done: Future[Path] = Future()
         try:
-            done.set_result(self._finish(None, folder, manifest))
+            done.set_result(write_and_finish())
         except Exception as error:
             done.set_exception(error)
         self._pending = done
         self.wait()
 
     def _finish(self, written: Future | None, folder: Path, manifest: Manifest) -> Path:
-        """Wait for every rank's part, then (rank 0) mark the checkpoint complete."""
+        """Wait for every rank's part, then (rank 0) hash the files and mark the checkpoint
+        complete (``integrity``: why rank 0 hashes them all)."""
         if written is not None:
-            written.result()
+            try:
+                written.result()
+            except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+                raise CheckpointError(cause(error)) from None
         if self._ranks.rank == 0:
-            self._mark(folder, manifest)
+            self._mark(folder, replace(manifest, files=digest_folder(folder)))
             self._point(folder)
             if self.keep is not None:
-                prune(self.directory, self.keep, manifest.step)
+                prune(self.directory, self.keep, manifest.step, self._written)
         return folder
 
     def _mark(self, folder: Path, manifest: Manifest) -> None:
@@ -198,17 +250,24 @@ class Checkpointer:
         if pending is None:
             return None
         folder: Path | None = None
-        failure: Failure | None = None
+        failure: str | None = None
         try:
             folder = pending.result()
         except Exception as error:
-            failure = Failure.of(error)
+            failure = str(error) if isinstance(error, CheckpointError) else one_line(error)
+        latest = None
+        if self._ranks.rank == 0:  # what a failure leaves, as rank 0 sees it
+            latest = latest_checkpoint(self.directory)
         # every rank's writer thread is done before this gather, so it never meets DCP's own
         # collectives on the group; rank 0 arrives after the mark and the pointer
-        failures: list[Failure | None] = self._ranks.gather(failure)
-        failed = [f"rank {rank}: {said}" for rank, said in enumerate(failures) if said is not None]
+        everyone: list[tuple[str | None, Path | None]] = self._ranks.gather((failure, latest))
+        failed = {rank: said for rank, (said, _) in enumerate(everyone) if said is not None}
         if failed:
-            raise CheckpointError(f"a checkpoint was not completed ({'; '.join(failed)})")
+            latest = everyone[0][1]
+            left = f"latest still names {latest.name}" if latest else "no checkpoint is complete"
+            raise CheckpointError(
+                f"checkpoint {self._pending_folder} was not completed: {by_ranks(failed)}; {left}"
+            )
         return folder
 
     def load(
@@ -219,6 +278,7 @@ class Checkpointer:
         *,
         path: str | os.PathLike | None = None,
         allow_partial: bool = False,
+        fallback: bool = False,
     ) -> Restored:
         """``load`` from ``path`` (default: this checkpointer's directory) over its group."""
         self.wait()
@@ -229,7 +289,78 @@ class Checkpointer:
             scheduler,
             process_group=self._ranks.group,
             allow_partial=allow_partial,
+            fallback=fallback,
         )
+
+    def start(
+        self,
+        mode: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        *,
+        fallback: bool = False,
+        run: str | None = None,
+        restarted: bool = False,
+    ) -> Restored | None:
+        """Begin a run in this directory, in ``mode`` (``folders.START_MODES``; ``folders.
+        start_mode`` reads the options): refuse a new run where checkpoints are, move them aside
+        (OVERWRITE), or resume from the latest complete checkpoint (RESUME, IF_PRESENT), verified
+        first; with ``fallback``, a damaged one is passed over for the newest intact older one.
+        What it resumed from, or None if the run starts at step 1. Every rank calls it; a refusal
+        is the same ``ValueError`` on every rank.
+
+        ``run`` (the elastic run id) is recorded in the directory, so that a worker the agent
+        ``restarted`` resumes its own launch's checkpoints, and only those: a restart of a launch
+        that was refused is refused again."""
+        self.wait()
+        verdict: tuple[bool, list[str], Failure | None] = (False, [], None)
+        if self._ranks.rank == 0:
+            try:
+                verdict = (*self._begin(mode, run, restarted), None)
+            except OSError as error:
+                failure = CheckpointError(f"cannot prepare {self.directory}: {error}")
+                verdict = (False, [], Failure.of(failure))
+            except ValueError as error:
+                verdict = (False, [], Failure.of(error))
+        resumes, notes, failure = self._ranks.gather(verdict)[0]
+        if failure is not None:
+            raise failure.exception(ValueError, otherwise=CheckpointError)
+        self._run = run
+        for note in notes:
+            self._tell(note)
+        if not resumes:
+            return None
+        restored = self.load(model, optimizer, scheduler, fallback=fallback)
+        self._resumed_step = restored.step
+        for note in restored.notes:
+            self._tell(note)
+        self._tell(f"resumed from {restored.folder} (after step {restored.step})")
+        return restored
+
+    def _begin(self, mode: str, run: str | None, restarted: bool) -> tuple[bool, list[str]]:
+        """Rank 0: check the directory for ``mode``, move an earlier run aside if asked, claim
+        the directory for ``run``; whether to resume, and what to report."""
+        if restarted and run is not None and claimed_by(self.directory) == run:
+            mode = IF_PRESENT  # this launch's own checkpoints, or none yet
+        resumes = check_directory(self.directory, mode) is not None
+        notes = []
+        if mode == OVERWRITE and self.directory.is_dir():
+            names = used_names(self.directory)
+            if names:
+                aside = set_aside(self.directory, names)
+                notes.append(
+                    f"--overwrite: moved the checkpoints in {self.directory} aside to {aside} "
+                    "(kept: delete that folder when they are no longer needed)"
+                )
+        if run is not None:
+            claim(self.directory, run)
+        return resumes, notes
+
+    def _tell(self, line: str) -> None:
+        """Report ``line`` through ``say``, once (rank 0)."""
+        if self._say is not None and self._ranks.rank == 0:
+            self._say(line)
 
     def load_latest(
         self,
@@ -257,6 +388,9 @@ class Checkpointer:
         """Wait for the pending checkpoint and let the writer thread and the group go."""
         try:
             self.wait()
+            if self._run is not None and self._ranks.rank == 0:
+                release(self.directory, self._run)  # finished: a restart is no longer its own
+                self._run = None
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
