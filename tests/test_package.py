@@ -63,7 +63,7 @@ LAYERS = {
         "schedule sim viz plan runtime models parallel launch doctor profiling bench data train "
         "spec model_config files records arguments",
     ),
-    "__main__": layer(LAZY, "cli"),
+    "__main__": layer(LAZY, "cli launch"),
     "cutpipe": layer(NEVER, "schedule sim"),
 }
 

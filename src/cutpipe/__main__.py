@@ -3,24 +3,29 @@
 import os
 import sys
 
-if __name__ == "__main__" and "TORCHELASTIC_RUN_ID" in os.environ:
-    # A worker of an elastic agent dies with it, from here on; under cutpipe train the launcher
-    # says who it is, so a worker started just before it died ends too (cutpipe.launch.orphans).
-    # Ctrl-C reaches the workers through the agent, which says so: a worker interrupted while
-    # still importing ends without a traceback of its own.
+
+def _as_a_worker() -> None:
+    """A worker of an elastic agent dies with it, from here on, before torch is imported; under
+    cutpipe train the launcher says who it is, so a worker started just before it died ends too
+    (cutpipe.launch.orphans). Ctrl-C reaches the workers through the agent, which says so: a
+    worker interrupted while still importing ends without a traceback of its own."""
     from cutpipe.launch.orphans import die_with_parent
 
     launcher = os.environ.get("CUTPIPE_LAUNCHER", "")
     die_with_parent(int(launcher) if launcher.isdigit() else None)
-    _excepthook = sys.excepthook
+    excepthook = sys.excepthook
 
-    def _quiet_interrupt(kind, value, traceback):  # type: ignore[no-untyped-def]
+    def quiet_interrupt(kind, value, traceback):  # type: ignore[no-untyped-def]
         if not issubclass(kind, KeyboardInterrupt):
-            _excepthook(kind, value, traceback)
+            excepthook(kind, value, traceback)
 
-    sys.excepthook = _quiet_interrupt
+    sys.excepthook = quiet_interrupt
 
-from cutpipe.cli.main import main  # after the worker's parent-death signal
+
+if __name__ == "__main__" and "TORCHELASTIC_RUN_ID" in os.environ:
+    _as_a_worker()
+
+from cutpipe.cli.main import main  # noqa: E402 - after the worker's parent-death signal
 
 if __name__ == "__main__":
     sys.exit(main())
