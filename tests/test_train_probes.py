@@ -143,3 +143,52 @@ def test_sigterm_to_the_launcher_is_its_status_and_one_line(tmp_path):
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 143
     assert stderr.strip() == "cutpipe train: stopped by SIGTERM", stderr
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpoint_directory_is_never_lost_and_a_damaged_shard_is_found(tmp_path):
+    """A fresh run into an old run's folder and a resume from nothing are refused before any
+    worker starts; a shard damaged on disk is found before it is used, in one line naming it."""
+    run = ["-s", "1f1b", "--model", TINY, "--seq-len", "16", "--checkpoint-dir", "ck", "--quiet"]
+    assert cutpipe(*run, "--steps", "1", cwd=tmp_path).returncode == 0
+    fresh = cutpipe(*run, "--steps", "1", cwd=tmp_path)
+    assert fresh.returncode == 2 and "already holds checkpoints" in one_line(fresh)
+    elsewhere = [*run[:6], "--checkpoint-dir", "elsewhere", "--quiet", "--resume"]
+    nothing = cutpipe(*elsewhere, cwd=tmp_path)
+    assert nothing.returncode == 2 and "--resume" in one_line(nothing)
+    shard = next((tmp_path / "ck" / "step-000001").glob("*.distcp"))
+    with open(shard, "r+b") as file:
+        file.seek(shard.stat().st_size // 2)
+        file.write(bytes(8192))
+    damaged = cutpipe(*run, "--steps", "2", "--resume", cwd=tmp_path)
+    assert damaged.returncode == 1
+    line = one_line(damaged)
+    assert shard.name in line and "step-000001" in line
+    assert (tmp_path / "ck" / "step-000001" / shard.name).exists()  # nothing deleted
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/proc").exists(), reason="reads process states from /proc")
+def test_a_stopped_rank_is_named_frozen(tmp_path):
+    """SIGSTOP of one worker: its heartbeat stops, the host says its process is stopped, and the
+    launcher's one line names it as frozen (the runtime's own words)."""
+    command = [sys.executable, "-m", "cutpipe", "train", "--nproc", "2", "-s", "1f1b",
+               "--emulate", "--steps", "100000", "--time-unit", "0.005", "--quiet"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    workers: list[int] = []
+    deadline = time.monotonic() + 90
+    while len(workers) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        workers = sorted(_descendants(process.pid))
+    time.sleep(6)
+    os.kill(workers[-1], signal.SIGSTOP)
+    try:
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert process.returncode == 1
+    assert "is frozen" in stderr and "stopped (SIGSTOP or a debugger)" in stderr, stderr
+    assert len([line for line in stderr.splitlines() if line.strip()]) == 1, stderr
