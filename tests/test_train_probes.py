@@ -182,7 +182,14 @@ def test_a_stopped_rank_is_named_frozen(tmp_path):
         time.sleep(0.2)
         workers = sorted(_descendants(process.pid))
     time.sleep(6)
-    os.kill(workers[-1], signal.SIGSTOP)
+    stopped, other = workers[-1], workers[0]
+    os.kill(stopped, signal.SIGSTOP)
+    deadline = time.monotonic() + 90
+    while _alive(other) and time.monotonic() < deadline:  # until the guard has stopped it
+        time.sleep(0.5)
+    # the agent's SIGTERM waits while the process is stopped (it would kill it 30 s later):
+    # let it go on, as a debugger that detaches would
+    os.kill(stopped, signal.SIGCONT)
     try:
         _, stderr = process.communicate(timeout=120)
     finally:
