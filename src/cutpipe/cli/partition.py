@@ -45,13 +45,14 @@ def plan_file(
     args: argparse.Namespace, model: ModelSpec, hardware_name: str, schedule: Schedule,
     best: Partition,
 ) -> PlanFile:  # fmt: skip
-    """The balanced partition as a plan file: one pipeline (DP = 1) of the schedule as given,
-    by its registry label (``--schedule``) or whole (``--from``), its step as predicted."""
+    """The balanced partition as a plan file: the schedule as given, by its registry label
+    (``--schedule``) or whole (``--from``), on as many pipelines as its EP groups need (DP =
+    EP), its step as predicted."""
     given = label(args.schedule) if args.schedule_file is None else schedule
     m = schedule.num_microbatches
     return PlanFile(
         model=model.name, layers=model.layers, schedule=given, microbatches=m,
-        stage_sizes=tuple(best.sizes), pp=schedule.num_ranks, ep=args.ep,
+        stage_sizes=tuple(best.sizes), pp=schedule.num_ranks, dp=args.ep, ep=args.ep,
         predicted={
             "step_time": best.step_time, "tokens_per_second": model.tokens * m / best.step_time,
             "peak_memory": max(best.memory), "hardware": hardware_name,

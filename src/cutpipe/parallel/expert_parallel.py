@@ -159,12 +159,34 @@ class ExpertParallel:
         return self.combine(returned, weights, route)
 
 
+class ExpertShard(nn.Module):
+    """This rank's routed experts of one MoE, each under its index in the whole model.
+
+    A parameter's name is the same on every layout (``layers.3.mlp.experts.6.up.weight`` is expert
+    6 wherever it lives), so a checkpoint saved with EP 2 loads into EP 4, into EP 1 or into one
+    process: each rank asks for the names it holds. Iterating gives the experts in order.
+    """
+
+    def __init__(self, experts: list[nn.Module], first: int) -> None:
+        super().__init__()
+        self.first = first
+        for index, expert in enumerate(experts):
+            self.add_module(str(first + index), expert)
+
+    def __iter__(self):  # type: ignore[override]
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
 def moe_layers(model: nn.Module) -> list[MoE]:
     return [module for module in model.modules() if isinstance(module, MoE)]
 
 
 def shard_experts(model: nn.Module, group: dist.ProcessGroup | None) -> nn.Module:
-    """Keep only this rank's experts of every MoE in ``model`` and route through ``group``.
+    """Keep only this rank's experts of every MoE in ``model`` (an ``ExpertShard``: each under its
+    index in the whole model) and route through ``group``.
 
     Call it on the same model (same seed) on every rank of the group. With a group of one (or
     None) nothing changes: the MoE keeps every expert and its local dispatch.
@@ -176,7 +198,7 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None) -> nn.Modul
             raise ValueError("this model's experts are already sharded: shard a fresh model")
         parallel = ExpertParallel(group, moe.num_experts)
         kept = list(moe.experts)[parallel.first : parallel.first + parallel.local]
-        moe.experts = nn.ModuleList(kept)
+        moe.experts = ExpertShard(kept, parallel.first)
         moe.expert_parallel = parallel
     return model
 

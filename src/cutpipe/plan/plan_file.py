@@ -75,6 +75,11 @@ class PlanFile:
                 f"stage_sizes {list(self.stage_sizes)} hold {sum(self.stage_sizes)} blocks, but "
                 f"{self.model} has {self.layers + 2} (the embedding, {self.layers} layers, the head)"
             )
+        if isinstance(self.dp, int) and isinstance(self.ep, int) and self.ep and self.dp % self.ep:
+            problems.append(
+                f"ep {self.ep} must divide dp {self.dp} (the expert-parallel groups are carved "
+                "out of the data-parallel ranks)"
+            )
         if self.zero not in ZERO_STAGES:
             problems.append(f"zero must be one of {ZERO_STAGES}, got {self.zero!r}")
         if self.recompute not in RECOMPUTE_MODES:

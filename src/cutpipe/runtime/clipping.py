@@ -51,6 +51,7 @@ def clip_grad_norm(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    partitioned: Sequence[tuple[Sequence[torch.Tensor], dist.ProcessGroup]] = (),
 ) -> torch.Tensor:
     """Clip the gradients of the whole pipeline to ``max_norm``; return the norm before clipping.
 
@@ -75,6 +76,11 @@ def clip_grad_norm(
     the whole gradients, exactly; replicated dimensions count once. Every rank of such a mesh
     dimension must then call it too, with parameters of the same layouts in the same order (the
     ranks of a data-parallel group hold the same stages). The local shards are scaled.
+
+    ``partitioned`` lists parameters of ``parameters`` that each rank of a group holds a
+    different part of (an expert-parallel group's experts: ``(experts, ep_group)``): their
+    ``|g|^p`` are summed over that group first, as a DTensor's shards are, while the rest of
+    ``parameters`` (replicated over that group) count once.
     """
     parameters = list(parameters)
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
@@ -91,6 +97,12 @@ def clip_grad_norm(
             "group, or copies=1"
         )
     sharded = _sharded_gradients(parameters)
+    for held, owners in partitioned:
+        held = list(held)
+        if _group_size(owners) > 1 and held:
+            sharded.members.update(id(p) for p in held)
+            shards = [local_shard(p.grad) for p in held if p.grad is not None]
+            sharded.buckets.append(([owners], shards))
     grads = [  # a replicated DTensor's local gradient is the whole one
         local_shard(p.grad)
         for p in parameters

@@ -32,6 +32,12 @@ class RunLayout:
     dp: int
     stage_sizes: tuple[int, ...]  # blocks per stage: what cut_module cuts
     batch: int  # samples per pipeline step, over every replica
+    ep: int = 1
+
+    @property
+    def replicas(self) -> int:
+        """Pipelines training on different shares of each batch: DP x EP."""
+        return self.dp * self.ep
 
     @property
     def pipeline_ranks(self) -> int:
@@ -44,15 +50,20 @@ def with_plan(options: TrainOptions) -> TrainOptions:
     if options.plan is None:
         return options
     plan = PlanFile.load(options.plan)
-    if plan.ep != 1 or plan.tp != 1:
+    if plan.tp != 1:
         raise ValueError(
-            f"--plan {options.plan} uses EP={plan.ep} TP={plan.tp}; cutpipe train runs pipeline "
-            "and data parallelism: plan with --ep 1 (and no TP), or run the layout yourself"
+            f"--plan {options.plan} uses TP={plan.tp}; cutpipe train runs pipeline, data and "
+            "expert parallelism: plan without TP (recommend --tp 1), or run the layout yourself"
         )
     if plan.fp8:
         raise ValueError(f"--plan {options.plan} trains in FP8, which cutpipe train does not")
-    wanted = {"dp": plan.dp, "dp_mode": ZERO_MODES[plan.zero], "recompute": plan.recompute}
-    given = {"dp": options.dp, "dp_mode": options.dp_mode, "recompute": options.recompute}
+    wanted = {
+        "dp": plan.dp // plan.ep,
+        "ep": plan.ep,
+        "dp_mode": ZERO_MODES[plan.zero],
+        "recompute": plan.recompute,
+    }  # a plan's DP counts every data-parallel rank; its EP groups are carved out of them
+    given = {name: getattr(options, name) for name in wanted}
     defaults = TrainOptions()
     clashes = [
         f"--{name.replace('_', '-')} {given[name]} (the plan says {wanted[name]})"
@@ -70,12 +81,14 @@ def with_plan(options: TrainOptions) -> TrainOptions:
 
 def run_layout(options: TrainOptions, world: int, task: Task) -> RunLayout:
     """The layout of ``options`` (``with_plan`` applied) on ``world`` processes."""
-    if world % options.dp:
+    replicas = options.dp * options.ep
+    if world % replicas:
         raise ValueError(
-            f"{world} processes do not split into --dp {options.dp} replicas: start a multiple "
-            f"of {options.dp} (--nproc x --nnodes)"
+            f"{world} processes do not split into --dp {options.dp} x --ep {options.ep} "
+            f"replicas: start a multiple of {replicas} (--nproc x --nnodes)"
         )
-    ranks = world // options.dp
+    task.check_experts(options.ep)
+    ranks = world // replicas
     if options.plan is not None:
         plan = PlanFile.load(options.plan)
         _check_plan(plan, options.plan, ranks, task)
@@ -86,13 +99,13 @@ def run_layout(options: TrainOptions, world: int, task: Task) -> RunLayout:
         # an emulated run cuts no model
         sizes = () if options.emulate else tuple(task.default_sizes(schedule))
     m = schedule.num_microbatches
-    batch = options.batch or task.microbatch_size * m * options.dp
-    if batch % (m * options.dp):
+    batch = options.batch or task.microbatch_size * m * replicas
+    if batch % (m * replicas):
         raise ValueError(
-            f"batch {batch} does not split into {options.dp} replicas x {m} microbatches: use "
-            f"a multiple of {m * options.dp}"
+            f"batch {batch} does not split into {replicas} replicas x {m} microbatches: use "
+            f"a multiple of {m * replicas}"
         )
-    return RunLayout(schedule, options.dp, sizes, batch)
+    return RunLayout(schedule, options.dp, sizes, batch, options.ep)
 
 
 #: fp32 weights, gradients and AdamW's two moments, per parameter of a rank's stages.

@@ -163,6 +163,15 @@ class ParallelOptions:
         "state sharded over the replicas; fsdp: parameters, gradients and optimizer state "
         "sharded (FSDP2)", Choice(DP_MODES),
     )  # fmt: skip
+    ep: int = option(
+        1, "expert parallelism (MoE models): each MoE's experts spread over groups of this many "
+        "ranks, which exchange tokens by all-to-all; the processes form (pp, dp, ep) meshes",
+        Whole(1, 10**4),
+    )  # fmt: skip
+    no_overlap: bool = option(
+        False, "run an overlapped F&B pair's halves one after the other instead of interleaving "
+        "their phases (the overlap hook; to compare)",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -365,6 +374,18 @@ class TrainOptions:
                 "--trace records the last step's timeline, which needs --step-boundary sync "
                 "(overlapped steps share their boundaries)"
             )
+        if self.ep > 1 and self.dp_mode == "fsdp":
+            problems.append(
+                "--dp-mode fsdp does not shard expert-parallel stages yet: use --dp-mode "
+                "allreduce or zero1 with --ep"
+            )
+        if self.ep > 1 and self.runner_steps:
+            problems.append(
+                "--step-boundary overlap and --skip-nonfinite do not count expert-parallel "
+                "gradients yet: use --step-boundary sync without --skip-nonfinite with --ep"
+            )
+        if self.emulate and self.ep > 1:
+            problems.append("--emulate runs no model: drop --ep")
         if self.emulate and self.runner_steps:
             problems.append(
                 "--emulate trains nothing: drop --step-boundary overlap and --skip-nonfinite"

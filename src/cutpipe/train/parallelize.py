@@ -5,8 +5,12 @@
    First, because the runner and the optimizer must hold the sharded parameters.
 2. **Recompute** (``--recompute``): wrap each layer's forward so it keeps less and rebuilds the
    rest during B; it wraps the forwards FSDP's hooks call, so it composes with sharding.
-3. **Gradient reducer** (``--dp`` > 1): what averages the stages' gradients over the replicas,
-   as each stage's last backward ends (FSDP's reduce-scatter, or one all-reduce per stage).
+3. **Gradient reducer** (``--dp`` or ``--ep`` > 1): what averages the stages' gradients over the
+   replicas, as each stage's last backward ends (FSDP's reduce-scatter, or one all-reduce per
+   stage: over DP x EP for what every replica holds, over DP for an EP group's experts).
+
+Expert parallelism itself comes first of all, before the stages are cut: ``shard_experts`` keeps
+this rank's experts in the whole model, which ``cut_module`` then cuts.
 
 Tensor parallelism, when the trainer takes it, goes before all three: it changes the modules the
 others wrap.
@@ -15,7 +19,7 @@ others wrap.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,6 +41,7 @@ class Parallelized:
     reducer: GradientReducer | None = None
     fsdp: FsdpReducer | None = None  # the reducer, when it is FSDP's (it also unshards)
     recomputes: list[Recompute] = field(default_factory=list)
+    experts: list[nn.Parameter] = field(default_factory=list)  # this rank's share of its EP group's
 
     def close(self) -> None:
         for recompute in self.recomputes:
@@ -48,8 +53,11 @@ def parallelize(
     options: TrainOptions,
     mesh: ParallelMesh,
     recompute_unit: type[nn.Module] | None = None,
+    experts: Sequence[nn.Parameter] = (),
 ) -> Parallelized:
-    """Apply FSDP, recompute and the gradient reducer to ``stages`` (see the module)."""
+    """Apply FSDP, recompute and the gradient reducer to ``stages`` (see the module); ``experts``
+    are the parameters of this rank's share of an expert-parallel group's experts (averaged over
+    the data-parallel replicas only)."""
     from cutpipe.runtime.compute.recompute import apply_recompute
 
     done = Parallelized(dict(stages))
@@ -70,6 +78,7 @@ def parallelize(
     ]
     if options.dp > 1 and options.dp_mode == "fsdp":
         done.reducer = done.fsdp = FsdpReducer(done.stages)
-    elif options.dp > 1:
-        done.reducer = mesh.gradient_reducer()
+    elif mesh.replicas > 1:
+        done.reducer = mesh.gradient_reducer(experts)
+    done.experts = list(experts)
     return done

@@ -8,8 +8,8 @@ record is compared with the new run's:
   seed, the global batch and the accumulation. One line names each with both values;
 - **applied**, and named in one line: the learning rate and its schedule (``lr``, ``warmup``,
   ``min_lr_ratio``, ``steps``), weight decay, clipping, the layout (schedule, microbatches,
-  replicas, data-parallel mode: checkpoints reshard), precision and recompute, the step
-  boundary.
+  replicas, expert parallelism, data-parallel mode: checkpoints reshard, experts saved under
+  their index in the whole model), precision and recompute, the step boundary.
 
 The learning-rate schedule is recomputed from the new options at the step reached: with more
 ``--steps`` the cosine stretches to end at the new last step, so the rate jumps up to where the
@@ -35,7 +35,7 @@ FIXED = ("model", "data", "seq_len", "seed", "batch", "grad_accum")
 #: What a resumed run may change; the new value applies from the resumed step on.
 CHANGEABLE = (
     "lr", "warmup", "min_lr_ratio", "steps", "weight_decay", "clip", "schedule",
-    "microbatches", "dp", "dp_mode", "dtype", "recompute", "step_boundary",
+    "microbatches", "dp", "ep", "dp_mode", "dtype", "recompute", "step_boundary",
 )  # fmt: skip
 
 
@@ -60,6 +60,7 @@ def run_record(options: TrainOptions, task: Task, layout: RunLayout) -> dict[str
         "schedule": layout.schedule.name,
         "microbatches": layout.schedule.num_microbatches,
         "dp": layout.dp,
+        "ep": layout.ep,
         "dp_mode": options.dp_mode,
         "dtype": options.dtype,
         "recompute": options.recompute,

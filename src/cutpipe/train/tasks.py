@@ -9,7 +9,7 @@ shape on synthetic data, its blocks shared out evenly: a quick look at a schedul
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -62,6 +62,14 @@ class Task(Protocol):
 
     def recompute_unit(self) -> type[nn.Module] | None:
         """The module class recompute wraps (None: each block of a stage)."""
+        ...
+
+    def check_experts(self, ep: int) -> None:
+        """Refuse an expert-parallel size the model cannot take (one line)."""
+        ...
+
+    def stage_maker(self, overlap: bool) -> Callable[[nn.Module, Sequence[str]], nn.Module]:
+        """What builds a stage from the model and its blocks' names (``cut_module``)."""
         ...
 
     def loader(self, batch: int, seed: int) -> Loader: ...
@@ -139,6 +147,26 @@ class LanguageModelTask:
 
         return Layer
 
+    def check_experts(self, ep: int) -> None:
+        from cutpipe.parallel.mesh import check_experts
+
+        check_experts(self.spec.experts, ep, self.spec.top_k if self.spec.moe else None)
+
+    def stage_maker(self, overlap: bool) -> Callable[[nn.Module, Sequence[str]], nn.Module]:
+        """An MoE model's stages run as phases around their all-to-alls, so that an overlapped
+        F&B pair can hide one half's exchanges behind the other's compute (the overlap hook,
+        off with ``overlap=False``); a dense model's are plain stages."""
+        from cutpipe.runtime.stages import Stage
+
+        if not self.spec.moe:
+            return Stage
+        from cutpipe.parallel.moe_stage import MoEStage
+
+        def make(model: nn.Module, blocks: Sequence[str]) -> nn.Module:
+            return MoEStage(model, blocks, overlap=overlap)
+
+        return make
+
     def loader(self, batch: int, seed: int) -> Loader:
         from cutpipe.data import TokenLoader, load_tokens, unigram_entropy
 
@@ -185,6 +213,15 @@ class RegressionTask:
 
     def recompute_unit(self) -> type[nn.Module] | None:
         return None
+
+    def check_experts(self, ep: int) -> None:
+        if ep > 1:
+            raise ValueError(f"--model {self.name} (the example MLP) has no experts: drop --ep")
+
+    def stage_maker(self, overlap: bool) -> Callable[[nn.Module, Sequence[str]], nn.Module]:
+        from cutpipe.runtime.stages import Stage
+
+        return Stage
 
     def loader(self, batch: int, seed: int) -> Loader:
         """Batches labelled by a teacher of the model's own shape, with weights of another seed."""

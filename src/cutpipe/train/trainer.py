@@ -108,7 +108,7 @@ class Trainer:
         self.schedule = self.layout.schedule
         self.batch = self.layout.batch
         self.mesh = build_mesh(
-            self.layout.pipeline_ranks, dp=options.dp, device_type=self.device.type
+            self.layout.pipeline_ranks, ep=options.ep, dp=options.dp, device_type=self.device.type
         )
         self._unchecked: StepRecord | None = None  # an overlapped step awaiting its verdict
         self.step = 0  # optimizer steps done
@@ -127,6 +127,7 @@ class Trainer:
 
     def _build(self) -> None:
         """This rank's stages of the model, parallelized, their runner and optimizer."""
+        from cutpipe.parallel.expert_parallel import expert_parameters, shard_experts
         from cutpipe.runtime import PipelineRunner
         from cutpipe.runtime.compute.saved import SavedMeter
         from cutpipe.runtime.stages import Stage, cut_module
@@ -136,12 +137,17 @@ class Trainer:
 
         options = self.options
         model = self.task.build(options.seed).to(self.device)
+        if options.ep > 1:  # this rank's experts only, each under its name in the whole model
+            shard_experts(model, self.mesh.ep_group)
         # this rank's stages, under the unsplit model's names
         stages = cut_module(
             model, self.layout.stage_sizes, num_stages=self.schedule.num_stages,
             held=self.schedule.placement.stages_of(self.mesh.pp_rank),
+            make_stage=self.task.stage_maker(overlap=not options.no_overlap),
         )  # fmt: skip
-        self.parallel = parallelize(stages, options, self.mesh, self.task.recompute_unit())
+        held = {id(p) for stage in stages.values() for p in stage.parameters()}
+        experts = [p for p in expert_parameters(model) if id(p) in held]
+        self.parallel = parallelize(stages, options, self.mesh, self.task.recompute_unit(), experts)
         # the runner steps the optimizer when it must overlap or skip steps; then nothing may end
         # a step with a wait for every rank (a recorded timeline starts with a barrier)
         boundary = (
@@ -189,8 +195,10 @@ class Trainer:
     def describe(self) -> str:
         """One line: what runs where, and whose partition it is."""
         layout, options = self.layout, self.options
-        where = f"{layout.pipeline_ranks} ranks" + (
-            f" x {layout.dp} replicas" if layout.dp > 1 else ""
+        where = (
+            f"{layout.pipeline_ranks} ranks"
+            + (f" x DP {layout.dp}" if layout.dp > 1 else "")
+            + (f" x EP {layout.ep}" if layout.ep > 1 else "")
         )
         source = f"from {options.plan}" if options.plan else "the trainer's default"
         sizes = ", ".join(map(str, layout.stage_sizes))
@@ -353,10 +361,10 @@ class Trainer:
             loss = accumulate(self.runner, batches())
         loss = float(self.mesh.average(loss))
         timeline = self.runner.timeline()
+        partitioned = [(self.parallel.experts, self.mesh.ep_group)] if options.ep > 1 else []
         norm = clip_grad_norm(  # clip=None: only measure
             self.runner.parameters(), math.inf if options.clip is None else options.clip,
-            group=self.runner.group,
-            copies=mirror_copies(self.schedule),
+            group=self.runner.group, copies=mirror_copies(self.schedule), partitioned=partitioned,
         )  # fmt: skip
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()

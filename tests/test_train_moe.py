@@ -1,0 +1,104 @@
+"""``cutpipe train --ep``: an MoE trained with expert parallelism and overlapped F&B pairs through
+the trainer follows one process training the same model on the same global batch, with the
+overlap hook on and off alike, and its checkpoints hold every expert under its index in the
+whole model, so they reload into other layouts and export whole (docs/moe.md, "Training")."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import train_workers as workers
+
+from cutpipe.launch import run
+from cutpipe.train.options import TrainOptions
+
+#: 4 experts (top-2) over EP 2; 6 blocks fill a V on 2 ranks; the first layer dense
+MODEL = """\
+name: test-moe
+layers: 4
+hidden: 32
+heads: 2
+ffn: 32
+experts: 4
+top_k: 2
+dense_layers: 1
+vocab: 256
+seq_len: 16
+microbatch_size: 2
+dtype: fp32
+"""
+SCHEDULES = ("dualpipe", "dualpipev", "zbv", "1f1b")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_worker() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("moe") / "model.yaml"
+    path.write_text(MODEL)
+    return str(path)
+
+
+def options(model: str, schedule: str, **changes) -> TrainOptions:
+    """3 steps of a 16-sequence global batch; no load-balancing loss, which each replica takes
+    over its own share (docs/moe.md): the one-process reference takes it over the whole batch."""
+    settings = dict(model=model, schedule=schedule, steps=3, batch=16, quiet=True, aux_weight=0.0)
+    return TrainOptions.build(**{**settings, **changes})
+
+
+@pytest.fixture(scope="module")
+def reference(model_file: str) -> dict:
+    return run(workers.train_rank, 1, (options(model_file, "1f1b", microbatches=4),), timeout=240)[
+        0
+    ]
+
+
+@pytest.mark.timeout(600)
+def test_pp2_x_ep2_follows_one_process_for_every_schedule_hook_on_and_off(model_file, reference):
+    runs = [options(model_file, name, ep=2) for name in SCHEDULES]
+    runs.append(options(model_file, "dualpipev", ep=2, no_overlap=True))
+    results = run(workers.train_runs, 4, (runs,), timeout=540)[0]
+    for name, result in zip([*SCHEDULES, "dualpipev without the hook"], results, strict=True):
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
+        norms = [r["grad_norm"] for r in result["records"]]
+        assert norms == pytest.approx([r["grad_norm"] for r in reference["records"]], rel=1e-5)
+    hooked, plain = results[1], results[-1]
+    assert hooked["losses"] == plain["losses"]  # the hook changes the order, not the numbers
+    assert [r["grad_norm"] for r in hooked["records"]] == [r["grad_norm"] for r in plain["records"]]
+
+
+@pytest.mark.timeout(600)
+def test_an_expert_parallel_checkpoint_reloads_into_one_process_and_exports_whole(
+    model_file, tmp_path
+):
+    """PP2 x EP2 saves after steps 2 and 3: the export of step 3 holds every expert of the whole
+    model, under its names; one process resumes from step 2 and its step 3 follows the
+    expert-parallel run's."""
+    import shutil
+
+    import torch
+
+    from cutpipe.models import language_model, load_model_config
+    from cutpipe.train.checkpoint import POINTER, export_checkpoint, step_folder
+
+    folder = tmp_path / "ckpt"
+    saved = options(model_file, "dualpipev", ep=2, checkpoint_dir=str(folder), checkpoint_every=2)
+    first = run(workers.train_rank, 4, (saved,), timeout=300)[0]
+    exported = tmp_path / "model.pt"
+    export_checkpoint(folder, exported)  # step 3, written by the four expert-parallel ranks
+    state = torch.load(exported)
+    whole = language_model(load_model_config(Path(model_file))).state_dict()
+    assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in whole.items()}
+    shutil.rmtree(step_folder(folder, 3))  # back to step 2
+    (folder / POINTER).write_text(step_folder(folder, 2).name)
+    again = options(model_file, "1f1b", microbatches=4, checkpoint_dir=str(folder), resume=True)
+    resumed = run(workers.train_rank, 1, (again,), timeout=300)[0]
+    assert resumed["resumed_from"] == 2
+    assert resumed["losses"] == pytest.approx(first["losses"][2:], rel=1e-5)
