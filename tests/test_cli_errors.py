@@ -21,6 +21,8 @@ from cutpipe.cli.main import main
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "models"
 DENSE = str(EXAMPLES / "dense-7b.yaml")
+TINY_DENSE = str(EXAMPLES / "tiny-dense.yaml")
+TINY_MOE = str(EXAMPLES / "tiny-moe.yaml")
 PARTITION = ["partition", "-s", "1f1b", "-r", "2", "-m", "2", "--gpu", "A100", "--model", DENSE]
 
 
@@ -293,4 +295,20 @@ def test_an_mlp_model_file_is_checked_before_any_process_starts(capsys, tmp_path
     model.write_text(f"family: mlp\n{fields}\n")
     code, _, err = run(capsys, "train", "-s", "1f1b", "-n", "2", "--model", str(model))
     assert code == 2 and message in err
+    assert_one_line(err)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--ep", "2"], "the example MLP) has no experts: drop --ep"),
+     (["--model", TINY_DENSE, "--ep", "2"], "EP 2 needs an MoE model"),
+     (["--model", TINY_MOE, "--ep", "3", "-n", "3"], "does not divide the 4 experts"),
+     (["--model", TINY_MOE, "--ep", "2", "--dp", "2", "--dp-mode", "fsdp", "-n", "4"],
+      "use --dp-mode allreduce or zero1 with --ep"),
+     (["--model", TINY_MOE, "--ep", "4", "-n", "2"], "do not split into --dp 1 x --ep 4")],
+)  # fmt: skip
+def test_expert_parallelism_is_checked_before_any_process_starts(capsys, args, message):
+    argv = ["train", "-s", "1f1b", "-n", "2", *args]
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err, err
     assert_one_line(err)
