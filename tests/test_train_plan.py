@@ -101,3 +101,16 @@ def test_a_plan_sets_what_it_fixes_and_keeps_the_rest(tmp_path):
     assert (options.dp, options.dp_mode, options.recompute) == (2, "zero1", "selective")
     assert options.microbatches == 4 and options.lr == 0.01
     assert json.loads(Path(path).read_text())["layout"]["dp"] == 2
+
+
+def test_a_plans_expert_parallelism_is_carved_out_of_its_data_parallel_ranks(tmp_path):
+    """recommend counts EP inside DP (DP 4 with EP 2 is 4 data-parallel ranks in EP pairs); the
+    trainer's mesh holds them as DP 2 x EP 2."""
+    from cutpipe.train.layout import with_plan
+    from cutpipe.train.options import TrainOptions
+
+    path = write(tmp_path, model="tiny-moe", dp=4, ep=2)
+    options = with_plan(TrainOptions.build(plan=path, model=MOE))
+    assert (options.dp, options.ep) == (2, 2)
+    with pytest.raises(ValueError, match="ep 3 must divide dp 4"):
+        write(tmp_path, dp=4, ep=3)
