@@ -102,3 +102,15 @@ def test_an_expert_parallel_checkpoint_reloads_into_one_process_and_exports_whol
     resumed = run(workers.train_rank, 1, (again,), timeout=300)[0]
     assert resumed["resumed_from"] == 2
     assert resumed["losses"] == pytest.approx(first["losses"][2:], rel=1e-5)
+
+
+@pytest.mark.timeout(600)
+def test_pp2_x_ep2_x_dp2_on_eight_processes_follows_one_process(model_file, reference):
+    """The one 8-process case: DP replicas of the expert-parallel pipelines (experts averaged
+    over DP, the rest over DP x EP), with ZeRO-1's sharded AdamW over the replicas that hold the
+    same experts."""
+    settings = options(model_file, "dualpipev", ep=2, dp=2, dp_mode="zero1", microbatches=4)
+    result = run(workers.train_rank, 8, (settings,), timeout=540)[0]
+    assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    norms = [r["grad_norm"] for r in result["records"]]
+    assert norms == pytest.approx([r["grad_norm"] for r in reference["records"]], rel=1e-5)
