@@ -44,6 +44,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cutpipe.runtime.compute.deferral import WeightSplitter, splitter_of
+from cutpipe.runtime.compute.phased import PhasedStage
 from cutpipe.sim.costs import RECOMPUTE_MODES
 
 #: The ops whose outputs a selective unit keeps: weight matmuls and fused attention kernels
@@ -394,12 +395,18 @@ def apply_recompute(
 
     ``splitter``: the stage's ``WeightSplitter``; without it each forward looks for the one that
     routes the unit's linears, so the executor may build its splitters before or after this call.
-    Returns the ``Recompute`` to ``close()``.
+    A phased stage (a ``PhasedStage`` with exchanges, such as an expert-parallel ``MoEStage``)
+    never runs its layers' ``forward``: its units are its compute pieces and ``units`` is not used
+    (``cutpipe.runtime.compute.phased_recompute``). Returns the ``Recompute`` to ``close()``.
     """
     if mode not in RECOMPUTE_MODES:
         raise ValueError(
             f"recompute mode {mode!r} is unknown: choose one of {', '.join(RECOMPUTE_MODES)}"
         )
+    if mode != "none" and isinstance(module, PhasedStage) and module.phased:
+        from cutpipe.runtime.compute.phased_recompute import recompute_pieces
+
+        return recompute_pieces(module, mode, splitter)
     chosen = [] if mode == "none" else recompute_units(module, units)
     twice = [u for u in chosen if recomputed(u)]
     if twice:
