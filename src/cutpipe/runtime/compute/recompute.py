@@ -2,7 +2,8 @@
 
 ``apply_recompute(module, mode)`` wraps the *units* of a stage module: each transformer layer,
 or in general each block the stage runs one after another (``units=`` names a block class
-instead). Every tensor a unit's forward saves for the backward goes through its saved-tensor
+instead). A phased stage (``cutpipe.runtime.compute.phased``: an expert-parallel MoE stage) never
+runs a layer whole; its units are its compute pieces (``phased_recompute``). Every tensor a unit's forward saves for the backward goes through its saved-tensor
 hooks, which keep some and drop the rest:
 
 - ``"none"``: nothing is wrapped; autograd keeps everything.
