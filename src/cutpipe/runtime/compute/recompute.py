@@ -2,7 +2,8 @@
 
 ``apply_recompute(module, mode)`` wraps the *units* of a stage module: each transformer layer,
 or in general each block the stage runs one after another (``units=`` names a block class
-instead). Every tensor a unit's forward saves for the backward goes through its saved-tensor
+instead). A phased stage (``cutpipe.runtime.compute.phased``: an expert-parallel MoE stage) never
+runs a layer whole; its units are its compute pieces (``phased_recompute``). Every tensor a unit's forward saves for the backward goes through its saved-tensor
 hooks, which keep some and drop the rest:
 
 - ``"none"``: nothing is wrapped; autograd keeps everything.
@@ -44,6 +45,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cutpipe.runtime.compute.deferral import WeightSplitter, splitter_of
+from cutpipe.runtime.compute.phased import PhasedStage
 from cutpipe.sim.costs import RECOMPUTE_MODES
 
 #: The ops whose outputs a selective unit keeps: weight matmuls and fused attention kernels
@@ -142,7 +144,7 @@ def _no_unpack(_: Any) -> torch.Tensor:
 class _Outputs(TorchDispatchMode):
     """Records the outputs of a selective unit's expensive ops (forward) or replays them (rerun)."""
 
-    def __init__(self, frame: _Frame, replay: bool) -> None:
+    def __init__(self, frame: Frame, replay: bool) -> None:
         super().__init__()
         self.frame, self.replay, self.position = frame, replay, 0
 
@@ -169,19 +171,29 @@ class _Outputs(TorchDispatchMode):
         return func(*args, **kwargs) if replayed is None else replayed
 
 
-class _Frame:
-    """One forward of one unit: what it kept, what it dropped, and how to run it again."""
+def state_storages(module: nn.Module) -> set[int]:
+    """The storages of ``module``'s parameters and buffers: saved, they cost a unit nothing."""
+    return {_storage(t) for t in (*module.parameters(), *module.buffers())} - {None}
+
+
+class Frame:
+    """One forward of one unit: what it kept, what it dropped, and how to run it again.
+
+    ``name`` says which unit in errors; ``state``: the storages of its parameters and buffers
+    (``state_storages``), which it keeps whenever they are saved.
+    """
 
     def __init__(
         self,
-        unit: nn.Module,
+        name: str,
+        state: set[int],
         run: Callable[..., Any],
         mode: str,
         splitter: WeightSplitter | None,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
-        self.name, self.run, self.mode, self.splitter = type(unit).__name__, run, mode, splitter
+        self.name, self.run, self.mode, self.splitter = name, run, mode, splitter
         self.gradients = None if splitter is None else splitter.current
         self.hooks = _enclosing_hooks()
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -190,8 +202,7 @@ class _Frame:
             k: _Argument(v, self.hooks) if isinstance(v, torch.Tensor) else v
             for k, v in kwargs.items()
         }
-        state = [*tensors, *unit.parameters(), *unit.buffers()]
-        self.kept_storages = {_storage(t) for t in state} - {None}
+        self.kept_storages = state | ({_storage(t) for t in tensors} - {None})
         self.device = next((t.device for t in tensors if t.device.type != "cpu"), None)
         kind = "cpu" if self.device is None else self.device.type
         self.autocast = (kind, torch.get_autocast_dtype(kind), torch.is_autocast_enabled(kind))
@@ -302,7 +313,8 @@ class _RecomputedForward:
         if not torch.is_grad_enabled():
             return self.own(*args, **kwargs)
         splitter = self.splitter if self.splitter is not None else splitter_of(self.unit)
-        frame = _Frame(self.unit, self.own, self.mode, splitter, args, kwargs)
+        name, state = type(self.unit).__name__, state_storages(self.unit)
+        frame = Frame(name, state, self.own, self.mode, splitter, args, kwargs)
         with frame.forward():
             return self.own(*args, **kwargs)
 
@@ -311,6 +323,11 @@ class _RecomputedForward:
             self.unit.forward = self.own
         else:
             del self.unit.forward
+
+
+def recomputed(module: nn.Module) -> bool:
+    """Whether ``module``'s forward runs inside a recompute frame now."""
+    return isinstance(module.__dict__.get("forward"), _RecomputedForward)
 
 
 class Recompute:
@@ -379,14 +396,20 @@ def apply_recompute(
 
     ``splitter``: the stage's ``WeightSplitter``; without it each forward looks for the one that
     routes the unit's linears, so the executor may build its splitters before or after this call.
-    Returns the ``Recompute`` to ``close()``.
+    A phased stage (a ``PhasedStage`` with exchanges, such as an expert-parallel ``MoEStage``)
+    never runs its layers' ``forward``: its units are its compute pieces and ``units`` is not used
+    (``cutpipe.runtime.compute.phased_recompute``). Returns the ``Recompute`` to ``close()``.
     """
     if mode not in RECOMPUTE_MODES:
         raise ValueError(
             f"recompute mode {mode!r} is unknown: choose one of {', '.join(RECOMPUTE_MODES)}"
         )
+    if mode != "none" and isinstance(module, PhasedStage) and module.phased:
+        from cutpipe.runtime.compute.phased_recompute import recompute_pieces
+
+        return recompute_pieces(module, mode, splitter)
     chosen = [] if mode == "none" else recompute_units(module, units)
-    twice = [u for u in chosen if isinstance(u.__dict__.get("forward"), _RecomputedForward)]
+    twice = [u for u in chosen if recomputed(u)]
     if twice:
         raise ValueError(
             f"{type(twice[0]).__name__} is recomputed already: close() the Recompute the first "
