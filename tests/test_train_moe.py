@@ -61,17 +61,29 @@ def reference(model_file: str) -> dict:
 
 
 @pytest.mark.timeout(600)
-def test_pp2_x_ep2_follows_one_process_for_every_schedule_hook_on_and_off(model_file, reference):
+def test_pp2_x_ep2_follows_one_process_for_every_schedule_hook_and_recompute(model_file, reference):
+    """Every schedule against one process; DualPipeV also without the hook and with selective
+    and full recompute (which rerun each phased piece in the backward half of its pair), each
+    bit for bit the hooked run without recompute."""
+    variants = {"without the hook": dict(no_overlap=True), "selective": dict(recompute="selective"),
+                "full": dict(recompute="full")}  # fmt: skip
     runs = [options(model_file, name, ep=2) for name in SCHEDULES]
-    runs.append(options(model_file, "dualpipev", ep=2, no_overlap=True))
+    runs += [options(model_file, "dualpipev", ep=2, **change) for change in variants.values()]
     results = run(workers.train_runs, 4, (runs,), timeout=540)[0]
-    for name, result in zip([*SCHEDULES, "dualpipev without the hook"], results, strict=True):
+    for name, result in zip([*SCHEDULES, *variants], results, strict=True):
         assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
         norms = [r["grad_norm"] for r in result["records"]]
         assert norms == pytest.approx([r["grad_norm"] for r in reference["records"]], rel=1e-5)
-    hooked, plain = results[1], results[-1]
-    assert hooked["losses"] == plain["losses"]  # the hook changes the order, not the numbers
-    assert [r["grad_norm"] for r in hooked["records"]] == [r["grad_norm"] for r in plain["records"]]
+    hooked = results[1]
+    for name, variant in zip(variants, results[len(SCHEDULES) :], strict=True):
+        # the hook changes the order and recompute what is kept, not the numbers
+        assert variant["losses"] == hooked["losses"], name
+        assert [r["grad_norm"] for r in variant["records"]] == [
+            r["grad_norm"] for r in hooked["records"]
+        ], name
+    peaks = {name: r["records"][-1]["peak_activation_bytes"]
+             for name, r in zip([*SCHEDULES, *variants], results, strict=True)}  # fmt: skip
+    assert peaks["full"] < peaks["selective"] < peaks["dualpipev"], peaks
 
 
 @pytest.mark.timeout(600)
