@@ -184,3 +184,30 @@ def test_steps_show_their_numbers_boundaries_and_what_runs_between():
         "step 2",
     ]
     assert left_title(rows).get_text().startswith("ZB-V (overlap)")
+
+
+def test_loss_curves_of_several_runs_are_drawn_side_by_side(tmp_path):
+    """cutpipe draw --metrics A.jsonl B.jsonl: one named curve each (a single run also gets its
+    tokens/s); what cannot be drawn is one line."""
+    import json
+
+    from cutpipe.cli.main import main
+
+    paths = []
+    for name, start in (("dense", 5.0), ("moe", 5.5)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(
+            json.dumps({"step": s, "loss": start - s / 10, "tokens_per_s": 100.0}) + "\n"
+            for s in range(1, 6)
+        ))  # fmt: skip
+        paths.append(str(path))
+    assert (
+        main(["draw", "--metrics", *paths, "--entropy", "3.3", "-o", str(tmp_path / "a.png")]) == 0
+    )
+    assert (tmp_path / "a.png").stat().st_size > 0
+    assert main(["draw", "--metrics", paths[0], "-o", str(tmp_path / "one.svg")]) == 0
+    (tmp_path / "empty.jsonl").write_text("")
+    assert (
+        main(["draw", "--metrics", str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "e.png")])
+        == 2
+    )

@@ -66,7 +66,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     what.add_argument(
         "--metrics",
         metavar="FILE",
-        help="a training run's loss curve, from train --log (PNG or SVG)",
+        nargs="+",
+        help="training runs' loss curves, from train --log (PNG or SVG); several files are "
+        "drawn side by side, each named by its file",
     )
     parser.add_argument("--entropy", type=float, metavar="NATS",
                         help="with --metrics: draw this loss level (the corpus's unigram entropy)")  # fmt: skip
@@ -153,15 +155,22 @@ def _from_file(args: argparse.Namespace):
 
 def _draw_metrics(args: argparse.Namespace, output: Path) -> int:
     from cutpipe.train.metrics import read_metrics
-    from cutpipe.viz.curve import save_loss_curve
+    from cutpipe.viz.curve import save_loss_curves
 
     if output.suffix.lower() not in (".png", ".svg"):
         raise ValueError(f"a loss curve is drawn as .png or .svg, not {output.suffix}")
-    try:
-        records = read_metrics(args.metrics)
-    except OSError as error:
-        raise ValueError(f"cannot read --metrics {args.metrics}: {error.strerror}") from None
-    count = save_loss_curve(records, output, args.entropy, Path(args.metrics).stem)
+    runs = {}
+    for path in args.metrics:
+        try:
+            runs[Path(path).stem] = read_metrics(path)
+        except OSError as error:
+            raise ValueError(f"cannot read --metrics {path}: {error.strerror}") from None
+    if len(runs) != len(args.metrics):
+        raise ValueError(
+            "--metrics names two files of the same name: each run is named by its file"
+        )
+    title = next(iter(runs)) if len(runs) == 1 else ""
+    count = save_loss_curves(runs, output, args.entropy, title)
     if args.json:
         print_json({"written": str(output), "format": output.suffix.lower().lstrip("."),
                     "steps": count})  # fmt: skip
