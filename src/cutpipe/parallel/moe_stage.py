@@ -53,7 +53,7 @@ def _expert_parallel(key: int, layer: Layer, moe: MoE, parallel: ExpertParallel)
         h = x + layer.attention(layer.attention_norm(x))
         tokens = layer.mlp_norm(h).reshape(-1, h.shape[-1])
         chosen, weights, balance = moe.route(tokens)
-        context[key] = plan = parallel.plan(chosen)
+        context[key] = plan = parallel.plan(chosen, moe.capacity(tokens.shape[0]))
         return h, aux + balance, weights, tokens, parallel.dispatch_rows(tokens, plan)
 
     def counts(context: Context) -> CountsPending:
