@@ -7,7 +7,11 @@ the median of the per-round with/without ratios. On a CPU, gloo's copies are wor
 cores as the compute, so only time spent waiting for the peer can hide: expect a modest gain on an
 idle machine and none on a busy one (emulation, in the tests, is the load-free check).
 
-    python benchmarks/overlap_hook_gloo.py [--rounds 20] [--microbatches 12]
+With ``--capacity-factor F`` the MoE layers route with that capacity (``RoutingOptions``); 2.0
+is this model's ``experts / top_k``, a capacity of every token per expert: nothing is dropped,
+and the dispatch carries its counts instead of a count exchange before it.
+
+    python benchmarks/overlap_hook_gloo.py [--rounds 20] [--microbatches 12] [--capacity-factor F]
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 
 from cutpipe import generate
 from cutpipe.launch import run
-from cutpipe.models import LanguageModelLoss, language_model
+from cutpipe.models import LanguageModelLoss, RoutingOptions, language_model
 from cutpipe.parallel.expert_parallel import shard_experts
 from cutpipe.parallel.mesh import build_mesh
 from cutpipe.parallel.moe_stage import moe_stages
@@ -30,14 +34,15 @@ from cutpipe.spec import ModelSpec
 SIZES = {"layers": 4, "hidden": 32, "ffn": 128, "seq_len": 32, "microbatch_size": 4}
 
 
-def step_times(rank: int, world: int, rounds: int, m: int) -> dict:
+def step_times(rank: int, world: int, rounds: int, m: int, capacity_factor: float | None) -> dict:
     mesh = build_mesh(1, world, experts=4, top_k=2)
+    routing = RoutingOptions(capacity_factor=capacity_factor)
     spec = ModelSpec(name="moe-timing", heads=2, vocab=64, experts=4, top_k=2, **SIZES)
     schedule = generate("dualpipev", 1, m)
     held = schedule.placement.stages_of(mesh.pp_rank)
     runners = {}
     for mode in ("with", "without", "plain"):
-        model = shard_experts(language_model(spec, seed=4), mesh.ep_group)
+        model = shard_experts(language_model(spec, seed=4, routing=routing), mesh.ep_group)
         if mode == "plain":
             runners[mode] = PipelineRunner.from_sequential(
                 schedule, model, LanguageModelLoss(), group=mesh.pp_group
@@ -71,10 +76,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--microbatches", type=int, default=12)
+    parser.add_argument("--capacity-factor", type=float, default=None)
     args = parser.parse_args()
-    result = run(step_times, 2, (args.rounds, args.microbatches), timeout=600)[0]
+    arguments = (args.rounds, args.microbatches, args.capacity_factor)
+    result = run(step_times, 2, arguments, timeout=600)[0]
+    capacity = "" if args.capacity_factor is None else f", capacity factor {args.capacity_factor}"
     print(
-        f"DualPipeV, 1 pipeline rank x EP 2, gloo, {args.rounds} rounds: median step with the "
+        f"DualPipeV, 1 pipeline rank x EP 2{capacity}, gloo, {args.rounds} rounds: median step with the "
         f"hook {result['with'] * 1e3:.1f} ms, without {result['without'] * 1e3:.1f} ms (median "
         f"per-round ratio {result['ratio']:.3f}); plain stages, blocking exchanges "
         f"{result['plain'] * 1e3:.1f} ms"
