@@ -1,8 +1,8 @@
 """MoE routing one can watch and steer, in one process: statistics, the balancing bias, capacity.
 
 The phased stage runs here with an expert-parallel group of one (``ExpertParallel(None, E)``):
-every exchange is a local copy, but the plan, the dispatch, the experts and the combine are the
-multi-rank code's own (tests/test_moe.py runs them on gloo).
+every exchange is a local copy, but the plan, the dispatch (counted under a capacity), the
+experts and the combine are the multi-rank code's own (tests/test_moe.py runs them on gloo).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from cutpipe.parallel import (
     routing_statistics,
     update_routing_bias,
 )
+from cutpipe.parallel.exchange import CountedAllToAll, all_to_all
 from cutpipe.parallel.expert_parallel import ExpertParallel, moe_layers
 from cutpipe.spec import ModelSpec
 
@@ -209,6 +210,8 @@ def test_a_capacity_that_drops_gives_the_plain_model_and_the_phased_stage_the_sa
     routing = RoutingOptions(capacity_factor=0.75)
     plain = language_model(SPEC, seed=0, routing=routing)
     stage = phased(copy.deepcopy(plain))
+    names = [phase.name for phase in stage.program]
+    assert "dispatch1" in names and not any(name.startswith("counts") for name in names)
     x, y = batch()
     ours, theirs = plain(x), stage(x)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
@@ -229,3 +232,19 @@ def test_routing_options_say_what_to_change():
         RoutingOptions(capacity_factor=float("nan"))
     with pytest.raises(ValueError, match="bias must be True or False, got 'yes'"):
         RoutingOptions(bias="yes")
+
+
+# -- the counted dispatch -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_counted_all_to_all_delivers_its_rows_and_counts_and_sends_gradients_back(dtype):
+    counts = torch.tensor([[300, 0, 7]])  # one peer (this rank), three parts; 300 > bf16's 256
+    rows = torch.randn(307, 4).to(dtype).requires_grad_()
+    exchange = CountedAllToAll(None, counts, capacity=300)
+    received = all_to_all(rows, exchange)
+    assert torch.equal(received, rows) and torch.equal(exchange.received_counts, counts)
+    received.sum().backward()
+    assert torch.equal(rows.grad, torch.ones_like(rows))
+    with pytest.raises(ValueError, match="more than a counted dispatch carries"):
+        CountedAllToAll(None, counts, capacity=256**3)

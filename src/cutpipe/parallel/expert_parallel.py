@@ -9,8 +9,10 @@ every rank how many rows to expect. No token is dropped, so the loss and the gra
 of the same model with every expert local (up to the order of floating-point sums).
 
 With a capacity (``RoutingOptions.capacity_factor``) the MoE has dropped the choices past each
-expert's capacity from its own tokens before they are planned: they are neither sent nor
-computed, and come back as zero rows.
+expert's capacity from its own tokens before they are planned (they are neither sent nor
+computed, and come back as zero rows), and the dispatch carries its counts
+(``exchange.CountedAllToAll``): each rank sends each peer a block of one size, so no count
+exchange is needed before it.
 
 The steps are separate methods (``plan``, ``exchange_counts``, ``dispatch_rows``,
 ``run_experts``, ``combine``) so that a stage can run them as phases and put another
@@ -27,8 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 from cutpipe.models.transformer import MoE
-from cutpipe.parallel.exchange import AllToAll, all_to_all
+from cutpipe.parallel.exchange import AllToAll, CountedAllToAll, CountedPending, all_to_all
 from cutpipe.parallel.mesh import check_experts
+from cutpipe.runtime.compute.phased import Exchange
 
 
 @dataclass
@@ -47,7 +50,7 @@ class Route:
         None  # [ep, local]: rows from each rank for each local expert
     )
     recv_splits: list[int] | None = None  # rows from each rank
-    capacity: int | None = None  # at most this many rows per expert
+    capacity: int | None = None  # at most this many rows per expert: a counted dispatch
 
     def received_by_expert(self) -> tuple[torch.Tensor, list[int]]:
         """(the received rows reordered by local expert, how many each expert gets)."""
@@ -128,7 +131,11 @@ class ExpertParallel:
         """The send buffer: one row per (token, choice), ordered by destination."""
         return tokens.index_select(0, route.tokens)
 
-    def dispatch(self, route: Route) -> AllToAll:
+    def dispatch(self, route: Route) -> Exchange:
+        """The rows' exchange: counted under a capacity, else uneven (``exchange_counts``
+        first)."""
+        if route.capacity is not None:
+            return _CountedDispatch(self._peers, route, self.size, self.local)
         assert route.recv_splits is not None, "exchange_counts first"
         return AllToAll(self._peers, route.send_splits, route.recv_splits)
 
@@ -172,11 +179,40 @@ class ExpertParallel:
     ) -> torch.Tensor:
         """The routed experts' output for every token, with blocking differentiable exchanges."""
         route = self.plan(chosen, capacity)
-        self.exchange_counts(route)
+        if capacity is None:
+            self.exchange_counts(route)
         received = all_to_all(self.dispatch_rows(tokens, route), self.dispatch(route))
         results = self.run_experts(experts, received, route)
         returned = all_to_all(results, self.combine_exchange(route))
         return self.combine(returned, weights, route)
+
+
+class _CountedDispatch(CountedAllToAll):
+    """A route's dispatch under a capacity: what arrives also fills in the route's receive
+    side, which the experts and the combine read."""
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, route: Route, size: int, local: int
+    ) -> None:
+        assert route.capacity is not None
+        super().__init__(group, route.counts.view(size, local), route.capacity)
+        self.route = route
+
+    def start(self, rows: torch.Tensor) -> _Arrival:
+        return _Arrival(super().start(rows), self)
+
+
+class _Arrival:
+    def __init__(self, pending: CountedPending, dispatch: _CountedDispatch) -> None:
+        self._pending, self._dispatch = pending, dispatch
+
+    def wait(self) -> torch.Tensor:
+        rows = self._pending.wait()
+        counts = self._dispatch.received_counts
+        assert counts is not None
+        route = self._dispatch.route
+        route.recv_counts, route.recv_splits = counts, counts.sum(1).tolist()
+        return rows
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
