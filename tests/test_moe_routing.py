@@ -225,6 +225,14 @@ def test_a_capacity_that_drops_gives_the_plain_model_and_the_phased_stage_the_sa
         assert layer.dropped == sum(max(0, n - limit) for n in layer.load) > 0
 
 
+def test_a_plan_refuses_choices_over_the_capacity_it_is_given():
+    chosen = torch.tensor([[0, 1], [0, 2], [0, 3], [4, 1]])  # 4: a dropped choice
+    route = ExpertParallel(None, 4).plan(chosen, capacity=3)
+    assert route.send_splits == [7] and route.tokens.tolist() == [0, 1, 2, 0, 3, 1, 2]
+    with pytest.raises(ValueError, match="an expert has 3 rows, over the capacity of 2: plan"):
+        ExpertParallel(None, 4).plan(chosen, capacity=2)
+
+
 def test_routing_options_say_what_to_change():
     with pytest.raises(ValueError, match=r"capacity_factor must be a number > 0 \(or None"):
         RoutingOptions(capacity_factor=0)

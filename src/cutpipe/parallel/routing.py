@@ -4,8 +4,8 @@ Every ``MoE`` adds up, on its device, what its training forwards routed (``MoE.t
 load-balancing loss, the choices per expert, the choices a capacity dropped. It does so in
 ``MoE.route``, which both its own forward and the phased stage's route phase call.
 ``routing_statistics`` reads those tallies for all MoE layers of a rank's modules in one host
-sync (summed over replicas if asked), by each layer's name in the model; ``reset_routing_statistics``
-starts them again.
+sync (summed over replicas if asked), by each layer's name in the model;
+``reset_routing_statistics`` starts them again.
 
 ``update_routing_bias`` is DeepSeek-V3's auxiliary-loss-free balancing, once per optimizer step:
 each expert's bias rises by ``rate`` if it took fewer choices than the mean over the step, falls
