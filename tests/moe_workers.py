@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from cutpipe import generate
-from cutpipe.models import LanguageModelLoss, language_model
-from cutpipe.parallel.expert_parallel import expert_parameters, shard_experts
+from cutpipe.models import LanguageModelLoss, RoutingOptions, language_model
+from cutpipe.parallel.expert_parallel import expert_parameters, moe_layers, shard_experts
 from cutpipe.parallel.mesh import build_mesh
 from cutpipe.parallel.moe_stage import moe_stages
+from cutpipe.parallel.routing import routing_statistics, update_routing_bias
 from cutpipe.runtime import PipelineRunner
 from cutpipe.spec import ModelSpec
 
@@ -78,8 +79,54 @@ def expert_parallel_only(rank: int, world: int, dtype: torch.dtype = torch.float
     }
 
 
+def routing_over_ranks(rank: int, world: int) -> dict:
+    """EP over the whole world with a capacity that drops and a routing bias: the loss, the
+    statistics summed over the ranks and the moved bias against the model without EP."""
+    mesh = build_mesh(1, world, experts=TINY.experts, top_k=TINY.top_k)
+    model = language_model(TINY, seed=2, routing=RoutingOptions(capacity_factor=0.75, bias=True))
+    twin = copy.deepcopy(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    shard_experts(model, mesh.ep_group)
+    steps = []
+    for seed in (11, 12):  # the second step routes with the moved bias
+        x, y = tokens(4 * world, TINY, seed)
+        for held in (model, twin):
+            held.zero_grad()
+        loss = LanguageModelLoss()(model(mesh.shard(x)), mesh.shard(y))
+        loss.backward()
+        mesh.reduce_gradients(model.parameters(), expert_parameters(model))
+        expected = reference(twin, x, y, mesh.replicas, 1, "sum")
+        stats = routing_statistics(model, reduce=mesh.sum_over_replicas, reset=True)
+        twin_stats = routing_statistics(twin, reset=True)
+        update_routing_bias(model, 0.01, reduce=mesh.sum_over_replicas)
+        update_routing_bias(twin, 0.01)
+        steps.append(
+            {
+                "loss": float(loss),
+                "expected": expected[mesh.replica],
+                "grad_error": grad_error(list(model.parameters()), names, twin),
+                "loads": [layer.load for layer in stats.layers.values()],
+                "expected_loads": [layer.load for layer in twin_stats.layers.values()],
+                "dropped": [layer.dropped for layer in stats.layers.values()],
+                "expected_dropped": [layer.dropped for layer in twin_stats.layers.values()],
+                "balance": [layer.balance_loss for layer in stats.layers.values()],
+                "expected_balance": [layer.balance_loss for layer in twin_stats.layers.values()],
+                "bias_equal": all(
+                    torch.equal(a.routing_bias, b.routing_bias)
+                    for a, b in zip(moe_layers(model), moe_layers(twin), strict=True)
+                ),
+                "bias_moved": all(moe.routing_bias.any() for moe in moe_layers(model)),
+            }
+        )
+    return steps
+
+
 def pipeline_exactness(
-    rank: int, world: int, layout: tuple[int, int, int], cases: list[tuple[str, int, str, bool]]
+    rank: int,
+    world: int,
+    layout: tuple[int, int, int],
+    cases: list[tuple[str, int, str, bool]],
+    routing: RoutingOptions | None = None,
 ) -> list[dict]:
     """PP x EP (x DP) with MoE stages: every case's loss and gradients against ``reference``."""
     pp, ep, dp = layout
@@ -87,7 +134,7 @@ def pipeline_exactness(
     results = []
     for name, m, reduction, overlap in cases:
         schedule = generate(name, pp, m)
-        model = language_model(TINY, seed=3)
+        model = language_model(TINY, seed=3, routing=routing)
         twin = copy.deepcopy(model)
         names = {id(p): n for n, p in model.named_parameters()}
         shard_experts(model, mesh.ep_group)
@@ -111,7 +158,8 @@ def pipeline_exactness(
         runner.close()
         results.append(
             {
-                "case": f"{name} PPxEPxDP={pp}x{ep}x{dp} m={m} {reduction} overlap={overlap}",
+                "case": f"{name} PPxEPxDP={pp}x{ep}x{dp} m={m} {reduction} overlap={overlap} "
+                f"{routing}",
                 "loss": float(loss),
                 "eval": float(evaluated),
                 "expected": expected[mesh.replica],
@@ -219,23 +267,28 @@ def bad_mesh(rank: int, world: int) -> list[str]:
 
 def two_ranks(rank: int, world: int, layers: int, costs: list[dict], m: int) -> dict:
     """The 2-rank launches in one: ``emulated_pairs`` first (while nothing else has run), then
-    ``expert_parallel_only`` in float32 and float64, then ``bad_mesh``."""
+    ``expert_parallel_only`` in float32 and float64, ``routing_over_ranks``, then
+    ``bad_mesh``."""
     return {
         "pairs": emulated_pairs(rank, world, layers, costs, m),
         "expert_parallel": {
             str(dtype): expert_parallel_only(rank, world, dtype)
             for dtype in (torch.float32, torch.float64)
         },
+        "routing": routing_over_ranks(rank, world),
         "bad_mesh": bad_mesh(rank, world),
     }
 
 
-def four_ranks(rank: int, world: int, cases: list, m: int) -> dict:
+def four_ranks(rank: int, world: int, cases: list, m: int, capacity_cases: list) -> dict:
     """The PP 2 x EP 2 launches in one: ``pipeline_exactness`` of ``cases``, then
-    ``hook_against_sequential`` on ``m`` microbatches."""
+    ``hook_against_sequential`` on ``m`` microbatches, then ``capacity_cases`` with a capacity
+    factor that drops."""
+    dropping = RoutingOptions(capacity_factor=0.75)
     return {
         "exactness": pipeline_exactness(rank, world, (2, 2, 1), cases),
         "hook": hook_against_sequential(rank, world, m),
+        "capacity": pipeline_exactness(rank, world, (2, 2, 1), capacity_cases, dropping),
     }
 
 

@@ -39,21 +39,36 @@ def test_expert_parallel_moe_matches_the_model_without_it(dtype, two_ranks):
         assert result["grad_error"] <= limit
 
 
+@pytest.mark.timeout(180)
+def test_a_capacity_and_a_routing_bias_over_ep_ranks_match_the_model_without_ep(two_ranks):
+    for steps in (rank["routing"] for rank in two_ranks):
+        for step in steps:
+            assert step["loss"] == pytest.approx(step["expected"], rel=1e-6)
+            assert step["grad_error"] <= 1e-6
+            assert step["loads"] == step["expected_loads"]  # summed over the EP ranks
+            assert step["dropped"] == step["expected_dropped"] and min(step["dropped"]) > 0
+            assert step["balance"] == pytest.approx(step["expected_balance"], rel=1e-6)
+            assert step["bias_equal"] and step["bias_moved"]
+
+
 CASES = [
     ("dualpipev", 5, "sum", True), ("dualpipev", 4, "mean", False), ("dualpipe", 4, "sum", True),
     ("1f1b", 4, "mean", True), ("zbv", 5, "sum", True),
 ]  # fmt: skip
+#: the same pipelines with a capacity factor that drops (phased stages, counted dispatch)
+CAPACITY_CASES = [("dualpipev", 4, "sum", True), ("1f1b", 4, "mean", True)]
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
     """The PP 2 x EP 2 checks of this module, from one launch."""
-    return run(workers.four_ranks, 4, (CASES, 5), timeout=120)
+    return run(workers.four_ranks, 4, (CASES, 5, CAPACITY_CASES), timeout=150)
 
 
-@pytest.mark.timeout(150)
-def test_pp2_x_ep2_pipelines_match_the_reference_for_every_schedule(four_ranks):
-    for rank in (ranks["exactness"] for ranks in four_ranks):
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("part", ["exactness", "capacity"])
+def test_pp2_x_ep2_pipelines_match_the_reference_for_every_schedule(four_ranks, part):
+    for rank in (ranks[part] for ranks in four_ranks):
         for result in rank:
             case = result["case"]
             assert result["loss"] == pytest.approx(result["expected"], rel=1e-6), case
@@ -85,7 +100,7 @@ def test_eight_processes_as_pp4_x_ep2_and_pp2_x_ep2_x_dp2():
                 assert result["grad_error"] <= 1e-6, case
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(180)
 def test_the_overlap_hook_gives_the_gradients_of_the_pair_run_one_after_the_other(four_ranks):
     for result in (rank["hook"] for rank in four_ranks):
         on, off = result["losses"]

@@ -17,6 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cutpipe.models.router import (
+    RoutingOptions,
+    RoutingTally,
+    capacity,
+    choices_per_expert,
+    over_capacity,
+)
 from cutpipe.spec import ModelSpec
 
 
@@ -70,29 +77,73 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k routed experts with a Switch-style load-balancing loss; all local unless sharded."""
+    """Top-k routed experts with a Switch-style load-balancing loss; all local unless sharded.
+
+    ``routing`` (``cutpipe.models.router.RoutingOptions``) may cap each expert's choices per
+    microbatch and add a per-expert bias that steers the top-k choice. Every training forward
+    adds what it routed to ``tally`` (read by ``cutpipe.parallel.routing``).
+    """
 
     def __init__(
-        self, hidden: int, ffn: int, experts: int, top_k: int, shared: int = 0, gated: bool = True
+        self,
+        hidden: int,
+        ffn: int,
+        experts: int,
+        top_k: int,
+        shared: int = 0,
+        gated: bool = True,
+        routing: RoutingOptions | None = None,
     ) -> None:
         super().__init__()
         if top_k > experts:
             raise ValueError(f"top_k {top_k} is more than the {experts} experts")
+        routing = routing or RoutingOptions()
         self.top_k = top_k
         self.num_experts = experts  # routed experts in the whole model, local or not
+        self.capacity_factor = routing.capacity_factor
         self.expert_parallel = None  # set by shard_experts: experts live on an EP group
         self.router = nn.Linear(hidden, experts, bias=False)
         self.experts = nn.ModuleList(MLP(hidden, ffn, gated) for _ in range(experts))
         self.shared = nn.ModuleList(MLP(hidden, ffn, gated) for _ in range(shared))
+        # DeepSeek-V3's balancing bias, moved by cutpipe.parallel.routing.update_routing_bias
+        self.register_buffer("routing_bias", torch.zeros(experts) if routing.bias else None)
+        self.bias_load: torch.Tensor | None = None  # choices per expert since the bias moved
+        self.tally = RoutingTally()
+
+    def capacity(self, tokens: int) -> int | None:
+        """Choices each expert may take from a microbatch of ``tokens`` tokens (None: all)."""
+        return capacity(self.capacity_factor, tokens, self.top_k, self.num_experts)
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(expert of each token's choices, their weights, the load-balancing loss)."""
+        """(expert of each token's choices, their weights, the load-balancing loss).
+
+        The routing bias, if any, decides which experts are chosen; the weights are the
+        unbiased probabilities. A choice over its expert's capacity is dropped: its expert is
+        ``num_experts`` (none) and its weight 0. The loss and the tally count the choices
+        before any is dropped.
+        """
         probabilities = self.router(tokens).softmax(-1)
-        weights, chosen = probabilities.topk(self.top_k, dim=-1)
+        if self.routing_bias is None:
+            weights, chosen = probabilities.topk(self.top_k, dim=-1)
+        else:
+            chosen = (probabilities.detach() + self.routing_bias).topk(self.top_k, dim=-1)[1]
+            weights = probabilities.gather(-1, chosen)
+        scores = weights
         weights = weights / weights.sum(-1, keepdim=True)
         count = self.num_experts
-        load = F.one_hot(chosen, count).float().sum((0, 1)) / (tokens.shape[0] * self.top_k)
+        routed = choices_per_expert(chosen, count)
+        load = routed.float() / (tokens.shape[0] * self.top_k)
         balance = count * (load * probabilities.mean(0)).sum()
+        dropped = None
+        limit = self.capacity(tokens.shape[0])
+        if limit is not None:
+            over = over_capacity(chosen, scores, limit)
+            chosen, weights = chosen.masked_fill(over, count), weights.masked_fill(over, 0.0)
+            dropped = over.sum()
+        if torch.is_grad_enabled():  # a training forward: keep what it did
+            self.tally.add(balance, routed, dropped)
+            if self.routing_bias is not None:
+                self.bias_load = routed if self.bias_load is None else self.bias_load + routed
         return chosen, weights, balance
 
     def experts_forward(
@@ -111,7 +162,9 @@ class MoE(nn.Module):
         if self.expert_parallel is None:
             out = self.experts_forward(tokens, chosen, weights)
         else:
-            out = self.expert_parallel.forward(self.experts, tokens, chosen, weights)
+            out = self.expert_parallel.forward(
+                self.experts, tokens, chosen, weights, self.capacity(tokens.shape[0])
+            )
         for expert in self.shared:
             out = out + expert(tokens)
         return out.view_as(x), balance
@@ -120,14 +173,20 @@ class MoE(nn.Module):
 class Layer(nn.Module):
     """One pre-norm block: attention, then an MLP or an MoE; adds its balance loss to ``aux``."""
 
-    def __init__(self, spec: ModelSpec, index: int) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        index: int,
+        routing: RoutingOptions | None = None,
+    ) -> None:
         super().__init__()
         self.attention_norm, self.mlp_norm = RMSNorm(spec.hidden), RMSNorm(spec.hidden)
         self.attention = Attention(spec.hidden, spec.heads, spec.kv_heads)
         if spec.moe and index >= spec.dense_layers:
             self.mlp: nn.Module = MoE(
-                spec.hidden, spec.ffn, spec.experts, spec.top_k, spec.shared_experts, spec.gated_mlp
-            )
+                spec.hidden, spec.ffn, spec.experts, spec.top_k, spec.shared_experts,
+                spec.gated_mlp, routing,
+            )  # fmt: skip
         else:
             self.mlp = MLP(spec.hidden, spec.dense_ffn or spec.ffn, spec.gated_mlp)
 
@@ -170,10 +229,10 @@ class LanguageModel(nn.Module):
     ``PipelineRunner.from_sequential``) takes it as it took a ``Chain``.
     """
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, routing: RoutingOptions | None = None) -> None:
         super().__init__()
         self.embed = Embedding(spec)
-        self.layers = nn.ModuleList(Layer(spec, i) for i in range(spec.layers))
+        self.layers = nn.ModuleList(Layer(spec, i, routing) for i in range(spec.layers))
         self.head = Head(spec)
 
     def blocks(self) -> list[nn.Module]:
@@ -196,10 +255,15 @@ class LanguageModel(nn.Module):
         return self.head(hidden, aux)
 
 
-def language_model(spec: ModelSpec, seed: int = 0) -> LanguageModel:
-    """A ``LanguageModel`` of ``spec``'s sizes, initialised from ``seed``."""
+def language_model(
+    spec: ModelSpec,
+    seed: int = 0,
+    routing: RoutingOptions | None = None,
+) -> LanguageModel:
+    """A ``LanguageModel`` of ``spec``'s sizes, initialised from ``seed``; its MoE layers route
+    as ``routing`` says (``cutpipe.models.router``; the default: plain top-k, nothing dropped)."""
     torch.manual_seed(seed)
-    return LanguageModel(spec)
+    return LanguageModel(spec, routing)
 
 
 class LanguageModelLoss(nn.Module):

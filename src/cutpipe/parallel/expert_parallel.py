@@ -8,6 +8,12 @@ results back (combine), where they are weighted and summed per token. Both moves
 every rank how many rows to expect. No token is dropped, so the loss and the gradients are those
 of the same model with every expert local (up to the order of floating-point sums).
 
+With a capacity (``RoutingOptions.capacity_factor``) the MoE has dropped the choices past each
+expert's capacity from its own tokens before they are planned (they are neither sent nor
+computed, and come back as zero rows), and the dispatch carries its counts
+(``exchange.CountedAllToAll``): each rank sends each peer a block of one size, so no count
+exchange is needed before it.
+
 The steps are separate methods (``plan``, ``exchange_counts``, ``dispatch_rows``,
 ``run_experts``, ``combine``) so that a stage can run them as phases and put another
 microbatch's compute between an exchange's start and its end (``cutpipe.parallel.moe_stage``).
@@ -23,8 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 from cutpipe.models.transformer import MoE
-from cutpipe.parallel.exchange import AllToAll, all_to_all
+from cutpipe.parallel.exchange import AllToAll, CountedAllToAll, CountedPending, all_to_all
 from cutpipe.parallel.mesh import check_experts
+from cutpipe.runtime.compute.phased import Exchange
 
 
 @dataclass
@@ -35,7 +42,7 @@ class Route:
     destination rank: the send buffer's row i is choice ``order[i]``.
     """
 
-    order: torch.Tensor  # choice index of each send row
+    order: torch.Tensor  # every choice index, sorted by expert; the dropped ones last
     tokens: torch.Tensor  # token of each send row
     counts: torch.Tensor  # rows for each expert of the whole model, from this rank
     send_splits: list[int]  # rows to each rank of the group
@@ -43,6 +50,7 @@ class Route:
         None  # [ep, local]: rows from each rank for each local expert
     )
     recv_splits: list[int] | None = None  # rows from each rank
+    capacity: int | None = None  # at most this many rows per expert: a counted dispatch
 
     def received_by_expert(self) -> tuple[torch.Tensor, list[int]]:
         """(the received rows reordered by local expert, how many each expert gets)."""
@@ -87,13 +95,23 @@ class ExpertParallel:
         self.local = num_experts // self.size
         self.first = self.rank * self.local  # global index of this rank's first expert
 
-    def plan(self, chosen: torch.Tensor) -> Route:
-        """Sort this microbatch's choices ([tokens, k] expert indices) by destination."""
+    def plan(self, chosen: torch.Tensor, capacity: int | None = None) -> Route:
+        """Sort this microbatch's choices ([tokens, k] expert indices; ``num_experts`` for a
+        dropped one) by destination. ``capacity``: the MoE's limit per expert (None: none)."""
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        send_splits = counts.view(self.size, self.local).sum(1).tolist()
-        return Route(order, order // chosen.shape[1], counts, send_splits)
+        counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
+        per_expert = counts.tolist()
+        if capacity is not None and max(per_expert) > capacity:
+            raise ValueError(
+                f"an expert has {max(per_expert)} rows, over the capacity of {capacity}: plan "
+                "the choices MoE.route made with that capacity"
+            )
+        send_splits = [
+            sum(per_expert[r * self.local : (r + 1) * self.local]) for r in range(self.size)
+        ]
+        sent = order[: sum(send_splits)]
+        return Route(order, sent // chosen.shape[1], counts, send_splits, capacity=capacity)
 
     def start_counts(self, route: Route) -> CountsPending:
         """Start telling every rank how many rows it gets for each of its experts."""
@@ -113,7 +131,11 @@ class ExpertParallel:
         """The send buffer: one row per (token, choice), ordered by destination."""
         return tokens.index_select(0, route.tokens)
 
-    def dispatch(self, route: Route) -> AllToAll:
+    def dispatch(self, route: Route) -> Exchange:
+        """The rows' exchange: counted under a capacity, else uneven (``exchange_counts``
+        first)."""
+        if route.capacity is not None:
+            return _CountedDispatch(self._peers, route, self.size, self.local)
         assert route.recv_splits is not None, "exchange_counts first"
         return AllToAll(self._peers, route.send_splits, route.recv_splits)
 
@@ -138,8 +160,12 @@ class ExpertParallel:
         return torch.cat(outputs).index_select(0, torch.argsort(by_expert))
 
     def combine(self, returned: torch.Tensor, weights: torch.Tensor, route: Route) -> torch.Tensor:
-        """Weight the rows that came back and sum each token's ``k`` of them."""
+        """Weight the rows that came back and sum each token's ``k`` of them (a dropped
+        choice's row is zero, its weight too)."""
         tokens, k = weights.shape
+        dropped = tokens * k - returned.shape[0]
+        if dropped:
+            returned = torch.cat([returned, returned.new_zeros(dropped, returned.shape[1])])
         by_choice = returned.index_select(0, torch.argsort(route.order))
         return (by_choice.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)
 
@@ -149,14 +175,44 @@ class ExpertParallel:
         tokens: torch.Tensor,
         chosen: torch.Tensor,
         weights: torch.Tensor,
+        capacity: int | None = None,
     ) -> torch.Tensor:
         """The routed experts' output for every token, with blocking differentiable exchanges."""
-        route = self.plan(chosen)
-        self.exchange_counts(route)
+        route = self.plan(chosen, capacity)
+        if capacity is None:
+            self.exchange_counts(route)
         received = all_to_all(self.dispatch_rows(tokens, route), self.dispatch(route))
         results = self.run_experts(experts, received, route)
         returned = all_to_all(results, self.combine_exchange(route))
         return self.combine(returned, weights, route)
+
+
+class _CountedDispatch(CountedAllToAll):
+    """A route's dispatch under a capacity: what arrives also fills in the route's receive
+    side, which the experts and the combine read."""
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, route: Route, size: int, local: int
+    ) -> None:
+        assert route.capacity is not None
+        super().__init__(group, route.counts.view(size, local), route.capacity)
+        self.route = route
+
+    def start(self, rows: torch.Tensor) -> _Arrival:
+        return _Arrival(super().start(rows), self)
+
+
+class _Arrival:
+    def __init__(self, pending: CountedPending, dispatch: _CountedDispatch) -> None:
+        self._pending, self._dispatch = pending, dispatch
+
+    def wait(self) -> torch.Tensor:
+        rows = self._pending.wait()
+        counts = self._dispatch.received_counts
+        assert counts is not None
+        route = self._dispatch.route
+        route.recv_counts, route.recv_splits = counts, counts.sum(1).tolist()
+        return rows
 
 
 class ExpertShard(nn.Module):

@@ -132,13 +132,17 @@ class ParallelMesh:
             groups_of=lambda parameter: own if id(parameter) in experts else replicated,
         )
 
-    def average(self, value: torch.Tensor) -> torch.Tensor:
-        """The mean of ``value`` over the replicas (e.g. each pipeline's loss)."""
+    def sum_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of ``value`` over the replicas (e.g. each pipeline's expert loads), new."""
         total = value.detach().clone()
         for group, size in ((self.ep_group, self.layout.ep), (self.dp_group, self.layout.dp)):
             if size > 1:
                 dist.all_reduce(total, group=group)
-        return total / self.replicas
+        return total
+
+    def average(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of ``value`` over the replicas (e.g. each pipeline's loss)."""
+        return self.sum_over_replicas(value) / self.replicas
 
 
 def build_mesh(

@@ -9,11 +9,12 @@ An expert-parallel ``Layer`` becomes six phases, the split DualPipe overlaps:
     combine                                                    all-to-all
     finish (weight and sum each token's rows, shared experts, residual)   compute
 
-``finish`` of one layer and ``route`` of the next fuse into one piece, as do the embedding, the
-head and layers without expert parallelism with their neighbours. The arithmetic is the
-``Layer``'s and ``ExpertParallel``'s own, in the same order, so a ``MoEStage`` computes what the
-same layers chained in an ``nn.Sequential`` compute; the phases only decide what may run
-between them (``cutpipe.runtime.compute.phased``).
+With a capacity factor the dispatch carries its counts (``exchange.CountedAllToAll``), so such
+a layer has five phases: no counts. ``finish`` of one layer and ``route`` of the next fuse into
+one piece, as do the embedding, the head and layers without expert parallelism with their
+neighbours. The arithmetic is the ``Layer``'s and ``ExpertParallel``'s own, in the same order,
+so a ``MoEStage`` computes what the same layers chained in an ``nn.Sequential`` compute; the
+phases only decide what may run between them (``cutpipe.runtime.compute.phased``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from cutpipe.parallel.expert_parallel import CountsPending, ExpertParallel
 from cutpipe.runtime.compute.phased import (
     Compute,
     Context,
+    Exchange,
     Notice,
     Phase,
     PhasedStage,
@@ -47,19 +49,20 @@ def _plain(layer: nn.Module) -> Compute:
 
 
 def _expert_parallel(key: int, layer: Layer, moe: MoE, parallel: ExpertParallel) -> list[Phase]:
-    """The six phases of one expert-parallel layer; ``key`` names its route in the context."""
+    """The six phases of one expert-parallel layer (five under a capacity: the dispatch
+    carries the counts); ``key`` names its route in the context."""
 
     def route(context: Context, x: torch.Tensor, aux: torch.Tensor) -> Value:
         h = x + layer.attention(layer.attention_norm(x))
         tokens = layer.mlp_norm(h).reshape(-1, h.shape[-1])
         chosen, weights, balance = moe.route(tokens)
-        context[key] = plan = parallel.plan(chosen)
+        context[key] = plan = parallel.plan(chosen, moe.capacity(tokens.shape[0]))
         return h, aux + balance, weights, tokens, parallel.dispatch_rows(tokens, plan)
 
     def counts(context: Context) -> CountsPending:
         return parallel.start_counts(context[key])
 
-    def dispatch(context: Context) -> AllToAll:
+    def dispatch(context: Context) -> Exchange:
         return parallel.dispatch(context[key])
 
     def experts(context: Context, *carried: torch.Tensor) -> Value:
@@ -82,9 +85,10 @@ def _expert_parallel(key: int, layer: Layer, moe: MoE, parallel: ExpertParallel)
             out = out + expert(tokens)
         return h + out.view_as(h), aux
 
+    counted = moe.capacity_factor is not None
     return [
         Compute(f"route{key}", route),
-        Notice(f"counts{key}", counts),
+        *([] if counted else [Notice(f"counts{key}", counts)]),
         Transfer(f"dispatch{key}", dispatch),
         Compute(f"experts{key}", experts),
         Transfer(f"combine{key}", combine),

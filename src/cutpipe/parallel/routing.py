@@ -1,0 +1,221 @@
+"""Watch and steer the MoE routing of a rank's modules: its statistics, and the balancing bias.
+
+Every ``MoE`` adds up, on its device, what its training forwards routed (``MoE.tally``): the
+load-balancing loss, the choices per expert, the choices a capacity dropped. It does so in
+``MoE.route``, which both its own forward and the phased stage's route phase call.
+``routing_statistics`` reads those tallies for all MoE layers of a rank's modules in one host
+sync (summed over replicas if asked), by each layer's name in the model;
+``reset_routing_statistics`` starts them again.
+
+``update_routing_bias`` is DeepSeek-V3's auxiliary-loss-free balancing, once per optimizer step:
+each expert's bias rises by ``rate`` if it took fewer choices than the mean over the step, falls
+if it took more (``bias += rate * sign(mean - load)``). The loads are summed over the replicas
+that route other tokens (``reduce``), so every rank moves the same bias the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cutpipe.models.transformer import MoE
+
+#: How to add up a tensor over the replicas: a process group, several (summed in each in turn,
+#: e.g. ``[mesh.ep_group, mesh.dp_group]``), or a function that returns the sum (e.g.
+#: ``mesh.sum_over_replicas``). None: this rank's own.
+Reduce = dist.ProcessGroup | Sequence[dist.ProcessGroup] | Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerRouting:
+    """One MoE layer's routing since the last reset (training forwards only)."""
+
+    microbatches: int
+    balance_loss: float  # the load-balancing losses it added, summed
+    load: tuple[int, ...]  # choices routed to each expert of the model, before any drop
+    dropped: int  # choices over their expert's capacity
+
+    @property
+    def max_load(self) -> int:
+        """Tokens (choices) the busiest expert was routed."""
+        return max(self.load)
+
+    @property
+    def mean_load(self) -> float:
+        return sum(self.load) / len(self.load)
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean tokens per expert: 1.0 is a perfect balance (0.0 before any token)."""
+        return self.max_load / self.mean_load if self.mean_load else 0.0
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """Every MoE layer's ``LayerRouting``, by the layer's name in the model (``layers.3.mlp``)."""
+
+    layers: dict[str, LayerRouting]
+
+    def summary(self) -> str:
+        """One short line for a log: the worst balance, the mean loss, the dropped share."""
+        if not self.layers:
+            return "routing: no MoE layer"
+        name, worst = max(self.layers.items(), key=lambda item: item[1].imbalance)
+        microbatches = sum(layer.microbatches for layer in self.layers.values())
+        balance = sum(layer.balance_loss for layer in self.layers.values())
+        choices = sum(sum(layer.load) for layer in self.layers.values())
+        dropped = sum(layer.dropped for layer in self.layers.values())
+        return (
+            f"routing: max/mean load {worst.imbalance:.2f} ({name}), balance loss "
+            f"{balance / max(microbatches, 1):.4f} per layer-microbatch, dropped "
+            f"{100 * dropped / max(choices, 1):.1f}%"
+        )
+
+
+def moe_layers_of(
+    modules: nn.Module | Iterable[nn.Module] | Mapping[Any, nn.Module],
+) -> dict[str, MoE]:
+    """Each MoE inside ``modules`` (a model, a stage, a rank's stages as a list or a dict), once,
+    by its name in the model, in a fixed order (the same on ranks holding the same stages)."""
+    if isinstance(modules, nn.Module):
+        modules = [modules]
+    elif isinstance(modules, Mapping):
+        modules = list(modules.values())
+    else:
+        modules = list(modules)
+    found: dict[str, MoE] = {}
+    seen: set[int] = set()
+    for module in modules:
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"expected modules (a model, a stage, or a list or dict of stages), got a "
+                f"{type(module).__name__}"
+            )
+        for name, sub in module.named_modules():
+            if isinstance(sub, MoE) and id(sub) not in seen:
+                if name in found:
+                    raise ValueError(
+                        f"two MoE layers are named {name!r}: pass the stages of one model"
+                    )
+                seen.add(id(sub))
+                found[name] = sub
+    return dict(sorted(found.items()))
+
+
+def routing_statistics(
+    modules: nn.Module | Iterable[nn.Module] | Mapping[Any, nn.Module],
+    reduce: Reduce | None = None,
+    reset: bool = False,
+) -> RoutingStats:
+    """What every MoE layer in ``modules`` routed since the last reset; one host sync in all.
+
+    ``reduce``: also sum over these replicas (a collective: call it on every rank of them).
+    ``reset``: start the tallies again once read.
+    """
+    layers = moe_layers_of(modules)
+    rows = [_tally_row(moe) for moe in layers.values()]
+    values: list[float] = []
+    if rows:
+        values = _summed(torch.cat(rows), reduce).tolist()
+    stats: dict[str, LayerRouting] = {}
+    at = 0
+    for name, moe in layers.items():
+        microbatches, balance, dropped = values[at : at + 3]
+        load = values[at + 3 : at + 3 + moe.num_experts]
+        at += 3 + moe.num_experts
+        stats[name] = LayerRouting(int(microbatches), balance, tuple(map(int, load)), int(dropped))
+    if reset:
+        for moe in layers.values():
+            moe.tally.reset()
+    return RoutingStats(stats)
+
+
+def reset_routing_statistics(
+    modules: nn.Module | Iterable[nn.Module] | Mapping[Any, nn.Module],
+) -> None:
+    """Start every MoE layer's statistics in ``modules`` from nothing."""
+    for moe in moe_layers_of(modules).values():
+        moe.tally.reset()
+
+
+def update_routing_bias(
+    modules: nn.Module | Iterable[nn.Module] | Mapping[Any, nn.Module],
+    rate: float,
+    reduce: Reduce | None = None,
+) -> None:
+    """Move each MoE's routing bias toward balance from the loads since the last update.
+
+    Call it once per optimizer step, on every rank (``reduce`` is a collective over the replicas
+    that route other tokens, EP and DP: so each rank moves its bias the same way). ``rate`` 0
+    leaves the bias as it is. Layers built without a bias (``RoutingOptions(bias=True)``) are
+    skipped; a rate above 0 with none at all is a mistake and raises.
+    """
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 0:
+        raise ValueError(f"the routing bias rate must be a number >= 0, got {rate!r}")
+    layers = moe_layers_of(modules)
+    biased = [moe for moe in layers.values() if moe.routing_bias is not None]
+    if layers and not biased and rate > 0:
+        raise ValueError(
+            "no MoE layer here has a routing bias: build the model with "
+            "RoutingOptions(bias=True), or leave the rate at 0"
+        )
+    loads = [_take_load(moe) for moe in biased]
+    if not biased or rate == 0:
+        return
+    summed = _summed(torch.cat(loads), reduce).double()
+    at = 0
+    for moe in biased:
+        load = summed[at : at + moe.num_experts]
+        at += moe.num_experts
+        step = rate * torch.sign(load.mean() - load)
+        moe.routing_bias.add_(step.to(moe.routing_bias.dtype))
+
+
+def _take_load(moe: MoE) -> torch.Tensor:
+    """The choices per expert since the last update, and a fresh start."""
+    assert moe.routing_bias is not None
+    load, moe.bias_load = moe.bias_load, None
+    if load is None:
+        return torch.zeros(moe.num_experts, dtype=torch.long, device=moe.routing_bias.device)
+    return load
+
+
+def _tally_row(moe: MoE) -> torch.Tensor:
+    """[microbatches, balance, dropped, load...] of one MoE, in float64 (exact for counts)."""
+    tally = moe.tally
+    device = moe.router.weight.device
+    row = torch.zeros(3 + moe.num_experts, dtype=torch.float64, device=device)
+    row[0] = tally.microbatches
+    if tally.balance is not None:
+        row[1] = tally.balance
+    if tally.dropped is not None:
+        row[2] = tally.dropped
+    if tally.routed is not None:
+        row[3:] = tally.routed
+    return row
+
+
+def _summed(value: torch.Tensor, reduce: Reduce | None) -> torch.Tensor:
+    """``value`` summed over the replicas ``reduce`` names (see ``Reduce``)."""
+    if reduce is None:
+        return value
+    if isinstance(reduce, dist.ProcessGroup):
+        groups = [reduce]
+    elif callable(reduce):
+        return reduce(value)
+    elif isinstance(reduce, Sequence) and all(isinstance(g, dist.ProcessGroup) for g in reduce):
+        groups = list(reduce)
+    else:
+        raise TypeError(
+            "reduce must be a process group, a list of them or a function that sums a tensor "
+            f"over the replicas (e.g. mesh.sum_over_replicas), got a {type(reduce).__name__}"
+        )
+    total = value.clone()
+    for group in groups:
+        dist.all_reduce(total, group=group)
+    return total
