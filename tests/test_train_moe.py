@@ -69,7 +69,9 @@ def test_pp2_x_ep2_follows_one_process_for_every_schedule_hook_and_recompute(mod
                 "full": dict(recompute="full")}  # fmt: skip
     runs = [options(model_file, name, ep=2) for name in SCHEDULES]
     runs += [options(model_file, "dualpipev", ep=2, **change) for change in variants.values()]
-    results = run(workers.train_runs, 4, (runs,), timeout=540)[0]
+    steered = dict(routing_bias_rate=0.001, capacity_factor=1.0)  # watched below, not compared
+    runs.append(options(model_file, "dualpipe", ep=2, **steered))
+    *results, watched = run(workers.train_runs, 4, (runs,), timeout=540)[0]
     for name, result in zip([*SCHEDULES, *variants], results, strict=True):
         assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
         norms = [r["grad_norm"] for r in result["records"]]
@@ -84,6 +86,12 @@ def test_pp2_x_ep2_follows_one_process_for_every_schedule_hook_and_recompute(mod
     peaks = {name: r["records"][-1]["peak_activation_bytes"]
              for name, r in zip([*SCHEDULES, *variants], results, strict=True)}  # fmt: skip
     assert peaks["full"] < peaks["selective"] < peaks["dualpipev"], peaks
+    # every MoE layer's routing is in the log, DualPipe's two copies of each added up
+    for record in watched["records"]:
+        assert set(record["expert_load"]) == {"layers.1.mlp", "layers.2.mlp", "layers.3.mlp"}
+        assert all(load >= 1.0 for load in record["expert_load"].values())
+        assert record["balance_loss"] > 0 and record["dropped"] > 0
+    assert all(r["dropped"] == 0 for r in results[0]["records"])  # no capacity: nothing dropped
 
 
 @pytest.mark.timeout(600)

@@ -77,6 +77,8 @@ class ProgressLine:
         status = f"loss {record.loss:.4f}  {record.tokens_per_s:,.0f} tok/s"
         if math.isnan(record.loss) and math.isnan(record.grad_norm):  # emulated: time only
             status = f"step {record.step_time * 1e3:.1f} ms"
+        if record.expert_load:  # the worst layer's max/mean tokens per expert
+            status += f"  load {max(record.expert_load.values()):.2f}x"
         if record.bubble is not None:
             status += f"  bubble {record.bubble:.1%}"
         self._progress.update(self._task, completed=record.step, status=status)

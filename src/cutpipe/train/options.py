@@ -115,6 +115,15 @@ class ModelOptions:
     aux_weight: float = option(
         0.01, "weight of the MoE load-balancing loss", Real(0.0, exclusive=False)
     )
+    routing_bias_rate: float = option(
+        0.0, "MoE balancing without an auxiliary loss (DeepSeek-V3): after each step, move each "
+        "expert's routing bias by this much toward an even load (0: off)",
+        Real(0.0, exclusive=False),
+    )  # fmt: skip
+    capacity_factor: float | None = option(
+        None, "cap each expert at this factor x its even share of a microbatch's choices; the "
+        "overflow is dropped and counted (default: no token is dropped)", Real(0.0),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,13 @@ and what they resolved to (the model's sizes, the global batch, the schedule...)
 record is compared with the new run's:
 
 - **refused** (another value is another run): the model, the data, the sequence length, the
-  seed, the global batch and the accumulation. One line names each with both values;
+  seed, the global batch, the accumulation, and whether an MoE holds a balancing bias. One line
+  names each with both values;
 - **applied**, and named in one line: the learning rate and its schedule (``lr``, ``warmup``,
   ``min_lr_ratio``, ``steps``), weight decay, clipping, the layout (schedule, microbatches,
   replicas, expert parallelism, data-parallel mode: checkpoints reshard, experts saved under
-  their index in the whole model), precision and recompute, the step boundary.
+  their index in the whole model), precision and recompute, the step boundary, the balancing
+  bias's rate and the capacity factor.
 
 The learning-rate schedule is recomputed from the new options at the step reached: with more
 ``--steps`` the cosine stretches to end at the new last step, so the rate jumps up to where the
@@ -31,11 +33,12 @@ if TYPE_CHECKING:
     from cutpipe.train.tasks import Task
 
 #: What defines the run: a checkpoint resumed with another value would continue another run.
-FIXED = ("model", "data", "seq_len", "seed", "batch", "grad_accum")
+FIXED = ("model", "data", "seq_len", "seed", "batch", "grad_accum", "routing_bias")
 #: What a resumed run may change; the new value applies from the resumed step on.
 CHANGEABLE = (
     "lr", "warmup", "min_lr_ratio", "steps", "weight_decay", "clip", "schedule",
     "microbatches", "dp", "ep", "dp_mode", "dtype", "recompute", "step_boundary",
+    "routing_bias_rate", "capacity_factor",
 )  # fmt: skip
 
 
@@ -65,6 +68,9 @@ def run_record(options: TrainOptions, task: Task, layout: RunLayout) -> dict[str
         "dtype": options.dtype,
         "recompute": options.recompute,
         "step_boundary": options.step_boundary,
+        "routing_bias": options.routing_bias_rate > 0,  # the MoE holds a bias (checkpointed)
+        "routing_bias_rate": options.routing_bias_rate,
+        "capacity_factor": options.capacity_factor,
     }
 
 

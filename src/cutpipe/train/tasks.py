@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cutpipe.model_config import load_training_model
+from cutpipe.models.router import RoutingOptions
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.spec import MlpSpec, ModelSpec
 
@@ -43,6 +44,8 @@ class Task(Protocol):
     tokens_per_sample: int
     #: how the summary names the loss
     loss_words: str
+    #: routed experts (the trainer reads their routing after each step)
+    is_moe: bool
 
     def num_blocks(self) -> int:
         """The blocks the model runs one after another (what stages are cut from)."""
@@ -89,7 +92,14 @@ def task_for(options: TrainOptions) -> Task:
                 "train a language model (--model FILE)"
             )
         return RegressionTask(spec)
-    return LanguageModelTask(spec, options.data, options.aux_weight)
+    steering = options.routing_bias_rate > 0 or options.capacity_factor is not None
+    if steering and not spec.moe:
+        raise ValueError(
+            f"--routing-bias-rate and --capacity-factor steer an MoE's routing; {spec.name} has "
+            "no experts: drop them"
+        )
+    routing = RoutingOptions(options.capacity_factor, bias=options.routing_bias_rate > 0)
+    return LanguageModelTask(spec, options.data, options.aux_weight, routing)
 
 
 @dataclass
@@ -99,10 +109,12 @@ class LanguageModelTask:
     spec: ModelSpec
     data: tuple[str, ...] = ()
     aux_weight: float = 0.01
+    routing: RoutingOptions | None = None  # an MoE's capacity and balancing bias
     loss_words = "nats/token"
 
     def __post_init__(self) -> None:
         self.name = self.spec.name
+        self.is_moe = self.spec.moe
         self.microbatch_size = self.spec.microbatch_size
         self.tokens_per_sample = self.spec.seq_len
         self._entropy: float | None = None
@@ -135,7 +147,7 @@ class LanguageModelTask:
     def build(self, seed: int) -> nn.Module:
         from cutpipe.models.transformer import language_model
 
-        return language_model(self.spec, seed=seed)
+        return language_model(self.spec, seed=seed, routing=self.routing)
 
     def loss(self) -> nn.Module:
         from cutpipe.models.transformer import LanguageModelLoss
@@ -185,6 +197,7 @@ class RegressionTask:
     spec: MlpSpec
     tokens_per_sample = 1
     loss_words = "mean squared error"
+    is_moe = False
 
     def __post_init__(self) -> None:
         self.name = self.spec.name

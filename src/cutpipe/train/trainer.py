@@ -40,6 +40,11 @@ class StepRecord:
     step_time: float
     bubble: float | None
     peak_activation_bytes: int
+    #: MoE models: the load-balancing loss per layer and microbatch, each layer's max/mean
+    #: tokens per expert (by its name in the model), the choices a capacity dropped
+    balance_loss: float | None = None
+    expert_load: dict[str, float] | None = None
+    dropped: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -330,7 +335,7 @@ class Trainer:
         seconds = time.perf_counter() - start
         ready = self._checked() if self.options.step_boundary == "overlap" else []
         self._unchecked = self._record(
-            seconds, loss=math.nan, lr=lr, grad_norm=math.nan, bubble=None
+            seconds, loss=math.nan, lr=lr, grad_norm=math.nan, bubble=None, **self._routing()
         )
         if self.options.step_boundary == "sync":
             ready = self._checked()
@@ -370,10 +375,51 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
+        seconds = time.perf_counter() - start
         return self._record(
-            time.perf_counter() - start, loss=loss, lr=lr, grad_norm=float(norm),
-            bubble=None if timeline is None else metrics(timeline).bubble_ratio,
+            seconds, loss=loss, lr=lr, grad_norm=float(norm),
+            bubble=None if timeline is None else metrics(timeline).bubble_ratio, **self._routing(),
         )  # fmt: skip
+
+    def _routing(self) -> dict[str, Any]:
+        """After an optimizer step of an MoE model: move the balancing bias (if asked), and what
+        the step's routing did, every MoE layer of the model (each rank holds some: gathered
+        over the pipeline, DualPipe's two copies of a layer added up)."""
+        if not self.task.is_moe:
+            return {}
+        from cutpipe.parallel.routing import routing_statistics, update_routing_bias
+
+        stages, reduce = self.parallel.stages, self.mesh.sum_over_replicas
+        if self.options.routing_bias_rate > 0:
+            update_routing_bias(stages, self.options.routing_bias_rate, reduce=reduce)
+        stats = routing_statistics(stages, reduce=reduce, reset=True)
+        mine = {name: (s.microbatches, s.balance_loss, s.load, s.dropped)
+                for name, s in stats.layers.items()}  # fmt: skip
+        every: list[dict] = [{} for _ in range(self.layout.pipeline_ranks)]
+        if self.layout.pipeline_ranks > 1:
+            dist.all_gather_object(every, mine, group=self.mesh.pp_group)
+        else:
+            every = [mine]
+        merged: dict[str, list] = {}
+        for share in every:
+            for name, (microbatches, balance, load, dropped) in share.items():
+                if name in merged:  # a mirrored copy's microbatches
+                    total = merged[name]
+                    total[0] += microbatches
+                    total[1] += balance
+                    total[2] = [a + b for a, b in zip(total[2], load, strict=True)]
+                    total[3] += dropped
+                else:
+                    merged[name] = [microbatches, balance, list(load), dropped]
+        microbatches = sum(m[0] for m in merged.values())
+        return {
+            "balance_loss": sum(m[1] for m in merged.values()) / max(microbatches, 1),
+            "expert_load": {
+                name: max(m[2]) / (sum(m[2]) / len(m[2])) if sum(m[2]) else 0.0
+                for name, m in sorted(merged.items())
+            },
+            "dropped": sum(m[3] for m in merged.values()),
+        }
 
     def _emulated_step(self) -> StepRecord:
         """One pipeline step of sleeps: its time and its measured bubble."""
