@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from cutpipe import Costs, generate
-from cutpipe.bench.measured import HOOK_OFF, RealSetting, run_real
+from cutpipe.bench.emulated import hook_ratios
+from cutpipe.bench.measured import HOOK_OFF, RealSetting, bench_model_file, run_real
 from cutpipe.bench.report import Row, verdicts
 from cutpipe.bench.simulated import (
     MODEL_FILE,
@@ -31,7 +32,9 @@ def test_the_default_model_is_one_file_shipped_in_the_package():
     model = default_model()
     assert model == ModelSpec.load(example) and model.name == "moe-40l"
     assert (model.layers, model.experts, model.top_k, model.seq_len) == (40, 8, 2, 2048)
-    assert '"cutpipe.bench" = ["moe-40l.yaml"]' in (ROOT / "pyproject.toml").read_text()
+    shipped = '"cutpipe.bench" = ["moe-40l.yaml", "bench-moe.yaml"]'
+    assert shipped in (ROOT / "pyproject.toml").read_text()
+    assert ModelSpec.load(bench_model_file()).moe  # what the real runs train, shipped too
 
 
 @pytest.mark.parametrize("name", ["1f1b", "dualpipe", "dualpipev", "zbv"])
@@ -127,20 +130,37 @@ def test_simulated_setting_defaults_are_the_reports():
     assert setting.microbatches == 512  # per pipeline: 1024 over EP 2, one sequence each
 
 
-@pytest.mark.timeout(120)
-def test_real_runs_measure_every_figure():
-    setting = RealSetting(steps=1, schedules=("1f1b", "dualpipev"))
-    rows, ratio = run_real(setting, timeout=100)
-    by_name = {row.schedule: row for row in rows}
+@pytest.mark.timeout(150)
+def test_real_runs_measure_every_figure_through_the_trainer():
+    setting = RealSetting(steps=1, schedules=("1f1b", "dualpipev"), emulate_unit=0.005)
+    results = run_real(setting, timeout=130)
+    by_name = {row.schedule: row for row in results.rows}
     assert set(by_name) == {"1f1b", "dualpipev", HOOK_OFF}
-    assert ratio > 0
-    for row in rows:
+    assert results.hook_ratio > 0
+    for row in results.rows:
         assert row.throughput > 0 and 0 <= row.bubble < 1 and 0 <= row.comm < 1
         assert len(row.memory_per_rank) == 4 and row.memory == max(row.memory_per_rank)
         parts = row.memory_parts
         assert min(parts["parameters"], parts["gradients"], parts["activations"]) > 0
         assert parts["optimizer"] == pytest.approx(2 * parts["parameters"], rel=0.01)
     assert by_name["dualpipev"].pp_traffic_x == 2 and by_name["1f1b"].params_x == 1
+    # memory is counted, not timed: the same on any machine
+    assert len(results.memory) == 3 * 4
+    for row in results.memory:
+        assert row.state == pytest.approx(row.state_predicted, rel=1e-3), row  # Adam's steps
+        # routing makes microbatches differ; an interleaved pair frees before it allocates
+        assert 0.85 <= row.activation_ratio <= 1.1, row
+        if row.run == "1f1b":  # no pairs: the simulator's model is the runtime's
+            assert row.between_ops == row.activation
+    v = {row.rank: row.state for row in results.memory if row.run == "dualpipev"}
+    one = {row.rank: row.state for row in results.memory if row.run == "1f1b"}
+    assert sum(v.values()) == pytest.approx(sum(one.values()), rel=0.01)  # stored once
+    ratios = hook_ratios(results.emulated)
+    assert set(ratios) == {"dualpipe", "dualpipev"}
+    for step in results.emulated:  # sleeps never end early: the simulator is a lower bound
+        assert step["agreement"] <= 1.01, step
+    for measured, simulated in ratios.values():  # a ratio from one run
+        assert measured <= simulated + 0.1
 
 
 def _rows(figures: dict[str, tuple[float, ...]]) -> list[Row]:

@@ -305,7 +305,11 @@ def test_an_mlp_model_file_is_checked_before_any_process_starts(capsys, tmp_path
      (["--model", TINY_MOE, "--ep", "3", "-n", "3"], "does not divide the 4 experts"),
      (["--model", TINY_MOE, "--ep", "2", "--dp", "2", "--dp-mode", "fsdp", "-n", "4"],
       "use --dp-mode allreduce or zero1 with --ep"),
-     (["--model", TINY_MOE, "--ep", "4", "-n", "2"], "do not split into --dp 1 x --ep 4")],
+     (["--model", TINY_MOE, "--ep", "4", "-n", "2"], "do not split into --dp 1 x --ep 4"),
+     (["--emulate", "--ep", "2"], "give W=0 and the whole backward as B (B=2)"),
+     (["--emulate", "--ep", "2", "--costs", "F=0,B=2,W=0"], "give F > 0"),
+     (["--emulate", "--ep", "2", "--costs", "F=1,B=2,W=0,FB=2"], "drop FB"),
+     (["--emulate", "--ep", "2", "--costs", "F=1,B=2,W=0,comm=0.1"], "drop comm")],
 )  # fmt: skip
 def test_expert_parallelism_is_checked_before_any_process_starts(capsys, args, message):
     argv = ["train", "-s", "1f1b", "-n", "2", *args]

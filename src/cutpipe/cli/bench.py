@@ -1,8 +1,9 @@
 """``cutpipe bench moe``: the Cut-in-half report's 1F1B / DualPipe / Cut-in-half (and ZB-V) MoE
 comparison.
 
-Runs the schedules for real on local gloo processes (PP x EP, a small MoE transformer) and
-simulates them at the report's scale (8 devices, 40 layers, 8 experts, batch 1024 of 2048 tokens,
+Runs the schedules for real through the trainer on local gloo processes (PP x EP, a small MoE
+transformer; each rank's memory beside the simulator's prediction of it; DualPipe and Cut-in-half
+also in time emulation, hook on and off, beside the simulator's step) and simulates them at the report's scale (8 devices, 40 layers, 8 experts, batch 1024 of 2048 tokens,
 costs from the model's FLOPs and bytes on ``--gpu``), then prints one table in the report's layout
 (throughput, peak memory, bubble share, communication share) and says where the figures agree
 with the report's claims and where not, and why (docs/formulas.md). Then it sets the report's own
@@ -22,6 +23,7 @@ from cutpipe.cli.common import (
     positive_float,
     positive_int,
     print_json,
+    real,
     require_torch,
     whole_number,
 )
@@ -41,17 +43,20 @@ def register(commands: argparse._SubParsersAction) -> None:
         "moe", help="1F1B vs DualPipe vs Cut-in-half vs ZB-V on an MoE: real runs and at scale",
         description=description(__doc__),
     )  # fmt: skip
-    real = moe.add_argument_group("real runs (this machine, gloo)")
-    real.add_argument("--pp", type=whole_number(1, MAX_PROCESSES), default=2,
+    runs = moe.add_argument_group("real runs (this machine, gloo)")
+    runs.add_argument("--pp", type=whole_number(1, MAX_PROCESSES), default=2,
                       help="pipeline ranks (default 2)")  # fmt: skip
-    real.add_argument("--ep", type=whole_number(1, MAX_PROCESSES), default=2,
+    runs.add_argument("--ep", type=whole_number(1, MAX_PROCESSES), default=2,
                       help="expert-parallel ranks (default 2)")  # fmt: skip
-    real.add_argument("--microbatches", "-m", type=positive_int, default=8,
+    runs.add_argument("--microbatches", "-m", type=positive_int, default=8,
                       help="per pipeline (default 8)")  # fmt: skip
-    real.add_argument("--steps", type=positive_int, default=5, help="measured steps per schedule")
-    real.add_argument("--timeout", type=positive_float, default=600.0,
+    runs.add_argument("--steps", type=positive_int, default=5, help="measured steps per schedule")
+    runs.add_argument("--time-unit", type=real(0.0, exclusive=False), default=0.02,
+                      help="seconds per cost unit of the emulated DualPipe and Cut-in-half steps "
+                      "(default 0.02; 0 skips them)")  # fmt: skip
+    runs.add_argument("--timeout", type=positive_float, default=600.0,
                       help="stop the processes after this many seconds")  # fmt: skip
-    real.add_argument("--sim-only", action="store_true", help="skip the real runs")
+    runs.add_argument("--sim-only", action="store_true", help="skip the real runs")
     sim = moe.add_argument_group("simulation at the report's scale")
     sim.add_argument("--gpu", default="A100", help="A100 (default), H100 or H200")
     sim.add_argument(
@@ -78,7 +83,10 @@ def _settings(args: argparse.Namespace) -> tuple[Any, Any]:
     model = ModelSpec.load(args.model) if args.model is not None else default_model()
     scaled = SimulatedSetting(model, args.gpu, args.devices, args.sim_pp, args.sim_ep, args.batch)
     scaled.check()
-    real = RealSetting(pp=args.pp, ep=args.ep, microbatches=args.microbatches, steps=args.steps)
+    real = RealSetting(
+        pp=args.pp, ep=args.ep, microbatches=args.microbatches, steps=args.steps,
+        emulate_unit=args.time_unit,
+    )  # fmt: skip
     if not args.sim_only:
         require_torch()  # the real runs need it; --sim-only does not
         real.check()
@@ -89,13 +97,15 @@ def run(args: argparse.Namespace) -> int:
     from cutpipe.bench.report import render, verdicts
     from cutpipe.bench.simulated import simulate_at_scale
 
-    scaled, real = _settings(args)
+    scaled, setting = _settings(args)
     simulated = simulate_at_scale(scaled)
-    measured, ratio = [], math.nan
+    measured, ratio, memory, emulated = [], math.nan, [], []
     if not args.sim_only:
         from cutpipe.bench.measured import run_real
 
-        measured, ratio = run_real(real, timeout=args.timeout)
+        results = run_real(setting, timeout=args.timeout)
+        measured, ratio = results.rows, results.hook_ratio
+        memory, emulated = results.memory, results.emulated
     checks = verdicts(measured, simulated)
     published = _published(scaled, simulated, measured)
     if args.json:
@@ -104,10 +114,12 @@ def run(args: argparse.Namespace) -> int:
                 "measured": [row.to_dict() for row in measured],
                 "simulated": [row.to_dict() for row in simulated],
                 "hook_step_ratio": None if math.isnan(ratio) else ratio,
+                "memory": [row.to_dict() for row in memory],
+                "emulated": emulated,
                 "verdicts": [check.__dict__ for check in checks],
                 "published": published,
                 "settings": {
-                    "real": real.to_dict(),
+                    "real": setting.to_dict(),
                     "simulated": {**scaled.__dict__, "model": scaled.model.__dict__},
                 },
             }
@@ -116,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
-    model = scaled.model
+    model, real = scaled.model, setting
     title = (
         f"here: gloo, PP {real.pp} x EP {real.ep} processes, {real.model.layers}-layer MoE "
         f"(hidden {real.model.hidden}, {real.model.experts} experts), {real.microbatches} "
@@ -137,11 +149,45 @@ def run(args: argparse.Namespace) -> int:
             f"Overlap hook, measured side by side: DualPipeV steps take {ratio:.3f}x the time "
             f"with the hook than without ({1 / ratio:.2f}x the throughput)."
         )
+    if memory:
+        _print_memory(console, memory)
+    if emulated:
+        _print_emulated(console, emulated, setting)
     console.print("\nAgainst the Cut-in-half report's claims (its measured figures: after these):")
     for check in checks:
         console.print(check.text())
     _print_published(console, published)
     return 0
+
+
+def _print_memory(console: Any, rows: list) -> None:
+    from cutpipe.bench.memory import render
+
+    console.print(render(rows, "Memory per rank, measured by the trainer beside the prediction"))
+    console.print(
+        "predicted: 16 bytes per parameter of the stages a rank holds (the planner's count); "
+        "the simulator's live activations fed the bytes each stage's forward left and the share "
+        "its W kept, as measured in the same step. The simulator counts an overlapped pair's F "
+        "whole before its B frees; with the hook the halves interleave, so a pair's measured "
+        'peak is lower (docs/moe.md, "Memory, measured").'
+    )
+
+
+def _print_emulated(console: Any, steps: list, setting: Any) -> None:
+    from cutpipe.bench.emulated import COSTS, hook_ratios, render
+
+    console.print(
+        render(
+            steps,
+            f"Emulated (--emulate --ep {setting.ep}, {setting.emulate_unit * 1e3:g} ms per unit): "
+            f"F={COSTS.f:g} B={COSTS.b:g} per stage, all-to-alls half of each",
+        )
+    )
+    for name, (measured, simulated) in hook_ratios(steps).items():
+        console.print(
+            f"{name}: a step with the hook takes {measured:.3f}x the step without it "
+            f"(simulated {simulated:.3f}x)."
+        )
 
 
 def _published(scaled: Any, simulated: list, measured: list) -> dict[str, Any]:

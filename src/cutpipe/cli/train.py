@@ -150,10 +150,10 @@ def report(result: dict[str, Any], options: TrainOptions) -> None:
     if options.emulate and result["timeline"] is not None:
         from rich.console import Console
 
-        from cutpipe.sim import Costs, Timeline
+        from cutpipe.sim import Timeline
 
         timeline = Timeline.from_dict(result["timeline"])
-        Console().print(emulation_table(timeline, options.costs or Costs(), options.time_unit))
+        Console().print(emulation_table(timeline, options.simulated_costs, options.time_unit))
     if options.trace and result["timeline"] is not None:
         print(f"measured timeline written to {options.trace}", flush=True)
 

@@ -19,6 +19,7 @@ from cutpipe.sim.costs import Costs
 from cutpipe.sim.steps import BOUNDARIES
 
 if TYPE_CHECKING:
+    from cutpipe.runtime.compute.saved import SavedMeter
     from cutpipe.runtime.protocols import (
         Executor,
         ExecutorContext,
@@ -64,6 +65,9 @@ class RunnerOptions:
     reducer: data parallelism: averages each stage's gradients over its replicas, started as
         soon as the stage's last backward of the step has run (``cutpipe.parallel.data_parallel``;
         ``ParallelMesh.gradient_reducer()`` builds one). None: no data parallelism.
+    op_meter: records the activation bytes around every op of the stage executor (a
+        ``cutpipe.runtime.compute.saved.SavedMeter``: what each F leaves, what its B and its W
+        free), which the simulator's memory model takes per stage. None: no records.
     """
 
     loss_reduction: str = "mean"
@@ -87,6 +91,7 @@ class RunnerOptions:
     make_executor: Callable[[ExecutorContext], Executor] | None = None
     make_transport: Callable[[TransportContext], Transport] | None = None
     reducer: GradientReducer | None = None
+    op_meter: SavedMeter | None = None
 
     def __post_init__(self) -> None:
         if self.loss_reduction not in ("sum", "mean"):

@@ -145,7 +145,7 @@ def default_executor(context: ExecutorContext) -> Executor:
         )
     return StageExecutor(
         context.modules, context.loss_fn, context.program.split_slots, options.split_backward,
-        options.w_memory, options.check_finite, context.device,
+        options.w_memory, options.check_finite, context.device, options.op_meter,
     )  # fmt: skip
 
 

@@ -285,6 +285,38 @@ GROUPS = {
 }
 
 
+def expert_emulation_problems(costs: Costs | None) -> list[str]:
+    """What ``--emulate --ep`` cannot take in ``costs``: its stages sleep in phases with real
+    exchanges between them (``cutpipe.parallel.emulated_moe``), so a backward runs whole in its B,
+    a pair lasts what the overlap makes of it, and the transfers are gloo's."""
+    costs = costs or Costs()
+    problems = []
+    kinds = ("f", "b", "w", "ep_f", "ep_b")
+    per_stage = [n for n in kinds if not isinstance(getattr(costs, n), float | int)]
+    if per_stage:
+        problems.append(
+            f"--emulate --ep takes one cost per kind for every stage: give {', '.join(per_stage)} "
+            "as single numbers"
+        )
+    elif costs.w:
+        problems.append(
+            f"--emulate --ep runs each backward whole in its B (its stages defer no weights): "
+            f"give W=0 and the whole backward as B (B={costs.b + costs.w:g})"
+        )
+    elif not costs.f:
+        problems.append("--emulate --ep needs a forward to sleep in: give F > 0")
+    if costs.fb is not None:
+        problems.append(
+            "--emulate --ep measures what the overlap hook makes of an F&B pair: drop FB"
+        )
+    if costs.comm:
+        problems.append(
+            "--emulate --ep sends the pipeline's tensors over the process group as they are: "
+            "drop comm"
+        )
+    return problems
+
+
 @dataclass(frozen=True)
 class TrainOptions:
     """Every option of a run, by group; ``options.steps`` reads any option by its name."""
@@ -394,12 +426,22 @@ class TrainOptions:
                 "gradients yet: use --step-boundary sync without --skip-nonfinite with --ep"
             )
         if self.emulate and self.ep > 1:
-            problems.append("--emulate runs no model: drop --ep")
+            problems += expert_emulation_problems(self.costs)
         if self.emulate and self.runner_steps:
             problems.append(
                 "--emulate trains nothing: drop --step-boundary overlap and --skip-nonfinite"
             )
         return problems
+
+    @property
+    def simulated_costs(self) -> Costs:
+        """The costs the simulator is given for an ``--emulate`` run: the emulated ones, and with
+        ``--ep --no-overlap`` an F&B pair that takes its compute plus its exchanges."""
+        costs = self.costs or Costs()
+        if self.ep > 1 and self.no_overlap:
+            parts = (costs.f, costs.b, costs.w, costs.ep_f, costs.ep_b)
+            return dataclasses.replace(costs, fb=float(sum(parts)))  # scalars: checked above
+        return costs
 
     @property
     def schedule_source(self) -> str:

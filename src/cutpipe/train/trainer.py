@@ -160,16 +160,18 @@ class Trainer:
              "step_boundary": options.step_boundary}
             if options.runner_steps else {}
         )  # fmt: skip
+        # activations, op by op (what a W keeps included): parameters are not activations
+        held_parameters = [p for stage in self.parallel.stages.values() for p in stage.parameters()]
+        self.meter = SavedMeter(exclude=[local_shard(p) for p in held_parameters])
         self.runner = PipelineRunner(
             self.schedule, self.parallel.stages, self.task.loss(), group=self.mesh.pp_group,
             record_timeline=self.records_timelines, step_timeout=options.step_timeout,
-            reducer=self.parallel.reducer, **boundary,
+            reducer=self.parallel.reducer, op_meter=self.meter, **boundary,
         )  # fmt: skip
         # what this rank holds, under the unsplit model's names: what its checkpoints save (with
         # fsdp the blocks hold DTensor shards, which DCP saves and loads as they are)
         self.held = Stage(model, [b for s in sorted(stages) for b in stages[s].block_names])
         del model  # this rank keeps only its stages
-        self.meter = SavedMeter(exclude=[local_shard(p) for p in self.runner.parameters()])
         self.optimizer = build_optimizer(
             self.runner.modules, lr=options.lr, weight_decay=options.weight_decay,
             betas=(0.9, 0.95), shard_over=self.mesh.dp_group if options.dp_mode == "zero1" else None,
@@ -179,17 +181,36 @@ class Trainer:
         )
 
     def _emulate(self) -> None:
-        """A runner whose ops sleep for their costs: no model, no data, no optimizer."""
+        """A runner whose ops sleep for their costs: no model, no data, no optimizer. With
+        ``--ep`` each stage is an MoE layer whose phases sleep and whose exchanges are real
+        all-to-alls on the EP group, done no earlier than their cost: the overlap hook runs."""
         from cutpipe.runtime import PipelineRunner
         from cutpipe.sim import Costs
 
         options = self.options
         self.parallel = None
         self.optimizer = self.scheduler = None
-        self.runner = PipelineRunner(
-            self.schedule, None, emulate=options.costs or Costs(), time_unit=options.time_unit,
-            record_timeline=True, step_timeout=options.step_timeout, group=self.mesh.pp_group,
+        self._emulated_batch: torch.Tensor | None = None
+        costs = options.costs or Costs()
+        if options.ep == 1:
+            self.runner = PipelineRunner(
+                self.schedule, None, emulate=costs, time_unit=options.time_unit,
+                record_timeline=True, step_timeout=options.step_timeout, group=self.mesh.pp_group,
+            )  # fmt: skip
+            return
+        from cutpipe.parallel.emulated_moe import emulated_moe_stages
+
+        stages = emulated_moe_stages(
+            costs, self.schedule.num_stages, self.schedule.placement.stages_of(self.mesh.pp_rank),
+            options.time_unit, self.mesh.ep_group, overlap=not options.no_overlap,
         )  # fmt: skip
+        self.runner = PipelineRunner(
+            self.schedule, stages, _squared_error, record_timeline=True,
+            step_timeout=options.step_timeout, group=self.mesh.pp_group,
+        )  # fmt: skip
+        # a row per EP rank per microbatch, one for each peer: the sleeps set the time
+        rows = self.schedule.num_microbatches * options.ep
+        self._emulated_batch = torch.zeros(rows, 1, device=self.device)
 
     @property
     def records_timelines(self) -> bool:
@@ -426,7 +447,8 @@ class Trainer:
         from cutpipe.sim import metrics
 
         start = time.perf_counter()
-        self.runner.step(None, None)
+        batch = self._emulated_batch
+        self.runner.step(batch, batch)
         self.step += 1
         timeline = self.runner.timeline()
         return self._record(
@@ -445,6 +467,11 @@ class Trainer:
         if self.parallel is not None:
             self.parallel.close()
         self.runner.close()
+
+
+def _squared_error(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The emulated MoE stages' loss: any scalar with a backward will do."""
+    return (outputs - targets).pow(2).mean()
 
 
 #: Tests only: "RANK:STEP" makes that rank die like a lost machine at that step, first attempt.

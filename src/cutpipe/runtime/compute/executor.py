@@ -12,8 +12,9 @@ a slot holding only deferred weight gradients is ``w_memory`` of one.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +23,9 @@ from torch.autograd import Variable
 from cutpipe.runtime.compute.deferral import WeightGradients, WeightSplitter
 from cutpipe.runtime.program import Instruction
 from cutpipe.schedule.codes import B_CODE
+
+if TYPE_CHECKING:
+    from cutpipe.runtime.compute.saved import SavedMeter
 
 Value = tuple[torch.Tensor, ...]
 Backward = Callable[[Value, Value], None]
@@ -105,8 +109,10 @@ class StageExecutor:
         w_memory: float = 0.5,
         check_finite: bool = False,
         device: torch.device | None = None,
+        meter: SavedMeter | None = None,
     ) -> None:
         self.modules = dict(modules)
+        self._meter = meter
         cpu = device is not None and torch.device(device).type == "cpu"
         self._run_backward: Backward = engine_backward if cpu else python_backward
         self._check_finite = check_finite
@@ -143,6 +149,18 @@ class StageExecutor:
         self.units += amount
         if self.units > self.peak_units:
             self.peak_units = self.units
+
+    def _measured(
+        self, kind: str, ins: Instruction, backward: bool = False
+    ) -> AbstractContextManager:
+        """The op meter's record of one op (nothing without a meter); after a B, what its W
+        keeps is counted too."""
+        if self._meter is None:
+            return nullcontext()
+        gradients = None
+        if backward and kind in ("B", "FB"):
+            gradients = self._slots[(ins.stage, ins.microbatch)].gradients
+        return self._meter.op(kind, ins.stage, ins.microbatch, gradients)
 
     # -- forward -----------------------------------------------------------------------------
 
@@ -211,9 +229,10 @@ class StageExecutor:
 
     def forward(self, ins: Instruction, values: Value) -> Value | None:
         """Run one forward; return the value to pass to the next stage (None on the last)."""
-        task, gradients = self._forward_task(ins, values)
-        task.run()
-        return self._finish_forward(ins, task, gradients)
+        with self._measured("F", ins):
+            task, gradients = self._forward_task(ins, values)
+            task.run()
+            return self._finish_forward(ins, task, gradients)
 
     # -- backward ----------------------------------------------------------------------------
 
@@ -261,15 +280,17 @@ class StageExecutor:
 
     def backward(self, ins: Instruction, grads: Value | None) -> Value | None:
         """Run one B or BW; return the gradient of the stage input (None on the first stage)."""
-        task, slot = self._backward_task(ins, grads)
-        task.run()
-        return self._finish_backward(ins, slot)
+        with self._measured("B" if ins.kind == B_CODE else "BW", ins, backward=True):
+            task, slot = self._backward_task(ins, grads)
+            task.run()
+            return self._finish_backward(ins, slot)
 
     def weight(self, ins: Instruction) -> None:
         """Run one W: the weight gradients its B deferred (nothing if the B deferred none)."""
         slot = self._slots.pop((ins.stage, ins.microbatch), None)
         if slot is not None and slot.gradients is not None:
-            slot.gradients.run()
+            with self._measured("W", ins):
+                slot.gradients.run()
             self._hold(-self._w_memory)
 
     # -- overlapped pairs ----------------------------------------------------------------------
@@ -283,18 +304,20 @@ class StageExecutor:
         must run both tasks (``task.run()``, or its own interleaving of their parts) before it
         returns. DualPipe uses this to hide one microbatch's all-to-all behind the other's compute.
         """
-        f_task, gradients = self._forward_task(forward, values)
-        b_task, slot = self._backward_task(backward, grads)
-        hook = getattr(f_task.module, "overlap_forward_backward", None) or getattr(
-            b_task.module, "overlap_forward_backward", None
-        )
-        if hook is None:
-            f_task.run()
-            b_task.run()
-        else:
-            hook(f_task, b_task)
-        passed_on = self._finish_forward(forward, f_task, gradients)
-        return passed_on, self._finish_backward(backward, slot)
+        kind = "FB" if backward.kind == B_CODE else "FBW"
+        with self._measured(kind, backward, backward=True):
+            f_task, gradients = self._forward_task(forward, values)
+            b_task, slot = self._backward_task(backward, grads)
+            hook = getattr(f_task.module, "overlap_forward_backward", None) or getattr(
+                b_task.module, "overlap_forward_backward", None
+            )
+            if hook is None:
+                f_task.run()
+                b_task.run()
+            else:
+                hook(f_task, b_task)
+            passed_on = self._finish_forward(forward, f_task, gradients)
+            return passed_on, self._finish_backward(backward, slot)
 
     def close(self) -> None:
         for splitter in self._splitters.values():

@@ -8,13 +8,16 @@ records the bytes held before, at most during and after it (``OpBytes``).
 
 ``slot_bytes`` turns those records into the simulator's terms (``cutpipe.sim.memory``): per
 (stage, microbatch), the activation its F left, the part its B freed and the part its W freed;
-``SlotBytes.w_share`` is the measured counterpart of ``w_memory``. With activation recompute the
+``SlotBytes.w_share`` is the measured counterpart of ``w_memory``. ``stage_bytes`` sums a step's
+records up per stage (the runner records them when given the meter as its ``op_meter``), so the
+simulator can be fed the measured sizes and its predicted peak set beside the measured one. With activation recompute the
 B rebuilds the linear inputs the W keeps, so the share can exceed one: the W then holds more than
 the forward left, which the simulator's model (a share in [0, 1]) cannot express (docs/simulator.md).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,6 +62,11 @@ class SavedMeter(ActivationMeter):
         super().__init__(exclude)
         self.ops: list[OpBytes] = []
 
+    def reset(self) -> None:
+        """Start a new peak from what is alive now, and a new list of op records."""
+        super().reset()
+        self.ops = []
+
     def keep(self, gradients: WeightGradients) -> None:
         """Count what ``gradients``' pending W holds, until the W lets go of it."""
         for _, _, inputs, grad_output in gradients.pending:
@@ -96,4 +104,33 @@ def slot_bytes(ops: Iterable[OpBytes]) -> dict[tuple[int, int], SlotBytes]:
         slot: SlotBytes(-kinds["F"], kinds["B"], kinds["W"])
         for slot, kinds in sorted(change.items())
         if {"F", "B", "W"} <= kinds.keys()
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class StageBytes:
+    """One stage over a step: the median bytes one F left and the median share its W held."""
+
+    activation: float
+    w_share: float | None  # None: no microbatch of the stage ran a separate B and W
+
+
+def stage_bytes(ops: Iterable[OpBytes]) -> dict[int, StageBytes]:
+    """Per stage, from the records of one step: what a forward leaves (the Fs that ran alone: an
+    overlapped pair's F and B are one record) and what share of it a W holds after its B."""
+    ops = list(ops)
+    left: dict[int, list[int]] = {}
+    for op in ops:
+        if op.kind == "F":
+            left.setdefault(op.stage, []).append(op.after - op.before)
+    shares: dict[int, list[float]] = {}
+    for (stage, _), slot in slot_bytes(ops).items():
+        if slot.activation > 0:
+            shares.setdefault(stage, []).append(slot.w_share)
+    return {
+        stage: StageBytes(
+            float(statistics.median(sizes)),
+            float(statistics.median(shares[stage])) if stage in shares else None,
+        )
+        for stage, sizes in sorted(left.items())
     }
