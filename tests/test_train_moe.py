@@ -53,25 +53,43 @@ def options(model: str, schedule: str, **changes) -> TrainOptions:
     return TrainOptions.build(**{**settings, **changes})
 
 
+#: a clip that every step's gradients exceed: the step boundary's verdict scales them
+CLIPPED = {"clip": 0.05}
+
+
 @pytest.fixture(scope="module")
-def reference(model_file: str) -> dict:
-    return run(workers.train_rank, 1, (options(model_file, "1f1b", microbatches=4),), timeout=240)[
-        0
-    ]
+def references(model_file: str) -> list[dict]:
+    """One process on the same global batch: unclipped beyond the default, and clipped."""
+    runs = [options(model_file, "1f1b", microbatches=4, **change) for change in ({}, CLIPPED)]
+    return run(workers.train_runs, 1, (runs,), timeout=240)[0]
+
+
+@pytest.fixture(scope="module")
+def reference(references: list[dict]) -> dict:
+    return references[0]
 
 
 @pytest.mark.timeout(600)
-def test_pp2_x_ep2_follows_one_process_for_every_schedule_hook_and_recompute(model_file, reference):
+def test_pp2_x_ep2_follows_one_process_for_every_schedule_hook_recompute_and_boundary(
+    model_file, references
+):
     """Every schedule against one process; DualPipeV also without the hook and with selective
     and full recompute (which rerun each phased piece in the backward half of its pair), each
-    bit for bit the hooked run without recompute."""
+    bit for bit the hooked run without recompute; and clipped by the runner's step boundary,
+    overlapped and with skipping armed, against one process clipped alike."""
+    reference, clipped = references
     variants = {"without the hook": dict(no_overlap=True), "selective": dict(recompute="selective"),
                 "full": dict(recompute="full")}  # fmt: skip
+    # the runner's step boundary: its verdict sums the experts' squares over the EP group
+    boundaries = {"overlap": dict(step_boundary="overlap", **CLIPPED),
+                  "skip": dict(skip_nonfinite=True, **CLIPPED)}  # fmt: skip
     runs = [options(model_file, name, ep=2) for name in SCHEDULES]
     runs += [options(model_file, "dualpipev", ep=2, **change) for change in variants.values()]
+    runs += [options(model_file, "dualpipev", ep=2, **change) for change in boundaries.values()]
     steered = dict(routing_bias_rate=0.001, capacity_factor=1.0)  # watched below, not compared
     runs.append(options(model_file, "dualpipe", ep=2, **steered))
     *results, watched = run(workers.train_runs, 4, (runs,), timeout=540)[0]
+    *results, overlapped, skipping = results
     for name, result in zip([*SCHEDULES, *variants], results, strict=True):
         assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
         norms = [r["grad_norm"] for r in result["records"]]
@@ -83,6 +101,12 @@ def test_pp2_x_ep2_follows_one_process_for_every_schedule_hook_and_recompute(mod
         assert [r["grad_norm"] for r in variant["records"]] == [
             r["grad_norm"] for r in hooked["records"]
         ], name
+    for name, result in (("overlap", overlapped), ("skip", skipping)):
+        norms = [r["grad_norm"] for r in result["records"]]
+        wanted = [r["grad_norm"] for r in clipped["records"]]
+        assert min(wanted) > CLIPPED["clip"]  # every step was clipped
+        assert norms == pytest.approx(wanted, rel=1e-5), name
+        assert result["losses"] == pytest.approx(clipped["losses"], rel=1e-5), name
     peaks = {name: r["records"][-1]["peak_activation_bytes"]
              for name, r in zip([*SCHEDULES, *variants], results, strict=True)}  # fmt: skip
     assert peaks["full"] < peaks["selective"] < peaks["dualpipev"], peaks

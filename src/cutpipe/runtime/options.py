@@ -11,7 +11,7 @@ executor (say, CUDA graphs) or a new transport (say, NCCL-specific overlap) plug
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,9 @@ from cutpipe.sim.costs import Costs
 from cutpipe.sim.steps import BOUNDARIES
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch import nn
+
     from cutpipe.runtime.compute.saved import SavedMeter
     from cutpipe.runtime.protocols import (
         Executor,
@@ -65,6 +68,10 @@ class RunnerOptions:
     reducer: data parallelism: averages each stage's gradients over its replicas, started as
         soon as the stage's last backward of the step has run (``cutpipe.parallel.data_parallel``;
         ``ParallelMesh.gradient_reducer()`` builds one). None: no data parallelism.
+    partitioned: parameters that each rank of a group holds a different part of, with that
+        group (an EP group's experts: ``[(experts, ep_group)]``): for ``clip_grad_norm`` and
+        ``skip_nonfinite`` their squares are summed over the group (the rest counted once), as
+        ``cutpipe.runtime.clipping.clip_grad_norm(partitioned=...)`` does.
     op_meter: records the activation bytes around every op of the stage executor (a
         ``cutpipe.runtime.compute.saved.SavedMeter``: what each F leaves, what its B and its W
         free), which the simulator's memory model takes per stage. None: no records.
@@ -91,6 +98,7 @@ class RunnerOptions:
     make_executor: Callable[[ExecutorContext], Executor] | None = None
     make_transport: Callable[[TransportContext], Transport] | None = None
     reducer: GradientReducer | None = None
+    partitioned: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup]] = ()
     op_meter: SavedMeter | None = None
 
     def __post_init__(self) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -70,11 +71,16 @@ OPTIMISTIC = Verdict(norm=math.nan, finite=True, skip=False, scale=1.0)
 
 
 def gradient_word(
-    parameters: Sequence[nn.Parameter], loss_share: float = 0.0, losses: int = 0
+    parameters: Sequence[nn.Parameter],
+    loss_share: float = 0.0,
+    losses: int = 0,
+    partitioned: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup]] = (),
 ) -> torch.Tensor:
     """This rank's part of the verdict, in float64 on the CPU: the sum of its gradients' squares
-    (a non-finite value makes it NaN or infinite), its share of the step's loss and how many
-    microbatch losses it computed."""
+    (a non-finite value makes it NaN or infinite), its share of the step's loss, how many
+    microbatch losses it computed, and the squares of the ``partitioned`` parameters, each set
+    summed over the group whose ranks hold different parts of it (an EP group's experts; a
+    collective of that group, whose ranks the all-to-alls keep in step)."""
     grads = [p.grad.detach() for p in parameters if p.grad is not None]
     if any(isinstance(g, DTensor) for g in grads):
         raise TypeError(
@@ -82,10 +88,24 @@ def gradient_word(
             "DTensor shards (FSDP or tensor parallelism): clip with "
             "cutpipe.runtime.clipping.clip_grad_norm after runner.step instead"
         )
-    squares = 0.0
-    if grads:
-        squares = float(torch.stack(torch._foreach_norm(grads)).double().square().sum())
-    return torch.tensor([squares, loss_share, losses], dtype=torch.float64)
+    apart = {id(p) for held, _ in partitioned for p in held}
+    squares = _squares([p.grad for p in parameters if p.grad is not None and id(p) not in apart])
+    split = 0.0
+    for held, owners in partitioned:
+        part = [p.grad for p in held if p.grad is not None]
+        device = part[0].device if part else torch.device("cpu")
+        total = torch.tensor([_squares(part)], dtype=torch.float64, device=device)
+        if dist.get_world_size(owners) > 1:
+            dist.all_reduce(total, group=owners)
+        split += float(total)
+    return torch.tensor([squares, loss_share, losses, split], dtype=torch.float64)
+
+
+def _squares(grads: Sequence[torch.Tensor]) -> float:
+    if not grads:
+        return 0.0
+    detached = [g.detach() for g in grads]
+    return float(torch.stack(torch._foreach_norm(detached)).double().square().sum())
 
 
 def verdict(
@@ -94,7 +114,7 @@ def verdict(
     """The decision every rank takes from the gathered words (one row per rank), each stage's
     squares counted once when every stage is stored ``copies`` times; the scale is torch's
     ``clip_grad_norm_``'s (``cutpipe.runtime.clipping.clip_coefficient``)."""
-    squares = float(words[:, 0].sum()) / copies
+    squares = float(words[:, 0].sum() + words[:, 3].sum()) / copies
     norm = math.sqrt(squares) if squares >= 0 else math.nan
     finite = math.isfinite(norm)
     skip = skip_nonfinite and not finite
@@ -195,6 +215,7 @@ class StepBoundary:
         self._clip = options.clip_grad_norm
         self._skip = options.skip_nonfinite
         self._validate = options.validates_steps
+        self._partitioned = options.partitioned
         self._pending: _Pending | None = None
         #: the verdict on the last step it was read for
         self.last: Verdict | None = None
@@ -216,7 +237,8 @@ class StepBoundary:
             if optimizer is not None:
                 _apply(optimizer, parameters, OPTIMISTIC)
             return
-        gathered = self._start_gather(gradient_word(parameters, loss_share, losses))
+        word = gradient_word(parameters, loss_share, losses, self._partitioned)
+        gathered = self._start_gather(word)
         if self.boundary == "sync":
             ruling = self._rule(gathered())
             if optimizer is not None:

@@ -420,11 +420,6 @@ class TrainOptions:
                 "--dp-mode fsdp does not shard expert-parallel stages yet: use --dp-mode "
                 "allreduce or zero1 with --ep"
             )
-        if self.ep > 1 and self.runner_steps:
-            problems.append(
-                "--step-boundary overlap and --skip-nonfinite do not count expert-parallel "
-                "gradients yet: use --step-boundary sync without --skip-nonfinite with --ep"
-            )
         if self.emulate and self.ep > 1:
             problems += expert_emulation_problems(self.costs)
         if self.emulate and self.runner_steps:

@@ -157,7 +157,8 @@ class Trainer:
         # a step with a wait for every rank (a recorded timeline starts with a barrier)
         boundary = (
             {"clip_grad_norm": options.clip, "skip_nonfinite": options.skip_nonfinite,
-             "step_boundary": options.step_boundary}
+             "step_boundary": options.step_boundary,
+             "partitioned": [(experts, self.mesh.ep_group)] if options.ep > 1 else ()}
             if options.runner_steps else {}
         )  # fmt: skip
         # activations, op by op (what a W keeps included): parameters are not activations
