@@ -67,10 +67,11 @@ def init_distributed(backend: str) -> tuple[int, int, torch.device]:
         else:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+        if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: share the cores, do not fight
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    # a process group that was there already came with its threads chosen (cutpipe.launch.local)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: share the cores, do not fight
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device(
