@@ -303,8 +303,6 @@ def test_an_mlp_model_file_is_checked_before_any_process_starts(capsys, tmp_path
     [(["--ep", "2"], "the example MLP) has no experts: drop --ep"),
      (["--model", TINY_DENSE, "--ep", "2"], "EP 2 needs an MoE model"),
      (["--model", TINY_MOE, "--ep", "3", "-n", "3"], "does not divide the 4 experts"),
-     (["--model", TINY_MOE, "--ep", "2", "--dp", "2", "--dp-mode", "fsdp", "-n", "4"],
-      "use --dp-mode allreduce or zero1 with --ep"),
      (["--model", TINY_MOE, "--ep", "4", "-n", "2"], "do not split into --dp 1 x --ep 4"),
      (["--emulate", "--ep", "2"], "give W=0 and the whole backward as B (B=2)"),
      (["--emulate", "--ep", "2", "--costs", "F=0,B=2,W=0"], "give F > 0"),

@@ -149,12 +149,29 @@ def test_an_expert_parallel_checkpoint_reloads_into_one_process_and_exports_whol
 
 
 @pytest.mark.timeout(600)
-def test_pp2_x_ep2_x_dp2_on_eight_processes_follows_one_process(model_file, reference):
-    """The one 8-process case: DP replicas of the expert-parallel pipelines (experts averaged
+def test_pp2_x_ep2_x_dp2_on_eight_processes_follows_one_process(model_file, reference, tmp_path):
+    """The one 8-process launch: DP replicas of the expert-parallel pipelines (experts averaged
     over DP, the rest over DP x EP), with ZeRO-1's sharded AdamW over the replicas that hold the
-    same experts."""
-    settings = options(model_file, "dualpipev", ep=2, dp=2, dp_mode="zero1", microbatches=4)
-    result = run(workers.train_rank, 8, (settings,), timeout=540)[0]
-    assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5)
-    norms = [r["grad_norm"] for r in result["records"]]
-    assert norms == pytest.approx([r["grad_norm"] for r in reference["records"]], rel=1e-5)
+    same experts, and with FSDP (experts sharded over their DP replicas, the rest over all
+    DP x EP replicas), whose sharded checkpoint exports the whole model."""
+    import torch
+
+    from cutpipe.models import language_model, load_model_config
+    from cutpipe.train.checkpoint import export_checkpoint
+
+    folder = tmp_path / "ckpt"
+    runs = [
+        options(model_file, "dualpipev", ep=2, dp=2, dp_mode="zero1", microbatches=4),
+        options(model_file, "dualpipev", ep=2, dp=2, dp_mode="fsdp", microbatches=4,
+                checkpoint_dir=str(folder)),
+    ]  # fmt: skip
+    results = run(workers.train_runs, 8, (runs,), timeout=540)[0]
+    export_checkpoint(folder, tmp_path / "model.pt")
+    state = torch.load(tmp_path / "model.pt")
+    whole = language_model(load_model_config(Path(model_file))).state_dict()
+    assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in whole.items()}
+    for mode, result in zip(("zero1", "fsdp"), results, strict=True):
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5), mode
+        norms = [r["grad_norm"] for r in result["records"]]
+        wanted = [r["grad_norm"] for r in reference["records"]]
+        assert norms == pytest.approx(wanted, rel=1e-5), mode

@@ -43,6 +43,13 @@ before ``runner.step`` starts every all-gather of the step without waiting (torc
 action), so that they hide behind the warm-up on a GPU; on gloo the background thread costs
 more than it hides.
 
+**Expert parallelism.** With ``experts=(dp_mesh, factor)`` every ``ExpertShard`` (an EP rank's
+experts of one MoE) is sharded on its own first, over the data-parallel replicas that hold the
+same experts, and its gradients are divided by ``factor`` (DP x EP: each expert's gradient
+already sums the tokens of the whole EP group, as ``ParallelMesh.gradient_reducer`` divides
+them); the rest of each block, which every replica holds, is sharded over ``dp_mesh`` given as
+the 1-D mesh of all DP x EP replicas (``ParallelMesh.replica_mesh()``), the mean over them.
+
 ``reshard_after_forward=True`` frees each block's unsharded parameters after every forward
 and all-gathers them again for its backward (FSDP's pre-backward hook; two all-gathers per
 microbatch and stage instead of one per step), saving the unsharded parameters between a
@@ -81,6 +88,7 @@ def shard_stages(
     dp_mesh: Any,
     reshard_after_forward: bool = False,
     per_block: bool = True,
+    experts: tuple[Any, float] | None = None,
     **fully_shard_options: Any,
 ) -> dict[int, nn.Module]:
     """Apply FSDP2 over ``dp_mesh`` (a 1-D ``DeviceMesh``, e.g. ``mesh["dp"]``) to each stage:
@@ -100,6 +108,8 @@ def shard_stages(
             raise TypeError(f"stage {stage} must be a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, FSDPModule):
             raise ValueError(f"stage {stage} is already sharded (fully_shard was applied)")
+        if experts is not None:  # their own replicas first: the blocks then leave them out
+            _shard_experts(module, *experts, reshard_after_forward, fully_shard_options)
         for block in _blocks(module) if per_block else ():
             if _has_parameters(block) and not isinstance(block, FSDPModule):
                 fully_shard(
@@ -113,6 +123,23 @@ def shard_stages(
         )
         sharded[stage] = module
     return sharded
+
+
+def _shard_experts(
+    module: nn.Module, mesh: Any, factor: float, reshard_after_forward: bool, options: Any
+) -> None:
+    """Shard each ``ExpertShard`` of ``module`` over ``mesh``, its gradients divided by
+    ``factor``."""
+    from cutpipe.parallel.expert_parallel import ExpertShard
+
+    for inner in module.modules():
+        if isinstance(inner, ExpertShard) and _has_parameters(inner):
+            fully_shard(inner, mesh=mesh, reshard_after_forward=reshard_after_forward, **options)
+            inner.set_gradient_divide_factor(factor)  # type: ignore[operator]
+            # a plain sum, scaled before and after: gloo has no pre-multiplied sum (NCCL's)
+            force_sum = getattr(inner, "set_force_sum_reduction_for_comms", None)
+            if force_sum is not None:
+                force_sum(True)
 
 
 def _accumulate_locally(module: FSDPModule) -> None:

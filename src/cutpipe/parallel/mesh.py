@@ -132,6 +132,15 @@ class ParallelMesh:
             groups_of=lambda parameter: own if id(parameter) in experts else replicated,
         )
 
+    def replica_mesh(self) -> object:
+        """The 1-D DeviceMesh of this pipeline rank's DP x EP replicas, what FSDP shards a
+        parameter that every replica holds over (a collective: every rank calls it once)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_type = self.mesh.device_type  # type: ignore[attr-defined]
+        shape = (self.layout.pp, self.replicas)
+        return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "replica"))["replica"]
+
     def sum_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
         """The sum of ``value`` over the replicas (e.g. each pipeline's expert loads), new."""
         total = value.detach().clone()

@@ -96,13 +96,7 @@ def clip_grad_norm(
             f"copies={copies} but this process is the whole pipeline: pass the pipeline's process "
             "group, or copies=1"
         )
-    sharded = _sharded_gradients(parameters)
-    for held, owners in partitioned:
-        held = list(held)
-        if _group_size(owners) > 1 and held:
-            sharded.members.update(id(p) for p in held)
-            shards = [local_shard(p.grad) for p in held if p.grad is not None]
-            sharded.buckets.append(([owners], shards))
+    sharded = _sharded_gradients(parameters, partitioned)
     grads = [  # a replicated DTensor's local gradient is the whole one
         local_shard(p.grad)
         for p in parameters
@@ -183,26 +177,36 @@ class _Sharded:
     buckets: list[tuple[list[dist.ProcessGroup], list[torch.Tensor]]]  # groups, local shards
 
 
-def _sharded_gradients(parameters: Sequence[torch.Tensor]) -> _Sharded:
-    """The DTensor parameters sharded along some mesh dimension of more than one rank, grouped
-    by those dimensions' process groups (in order of first appearance, the same on every rank
-    holding the same parameters), with their gradients' local shards (None: no gradient)."""
+def _sharded_gradients(
+    parameters: Sequence[torch.Tensor],
+    partitioned: Sequence[tuple[Sequence[torch.Tensor], dist.ProcessGroup]] = (),
+) -> _Sharded:
+    """The parameters split over some group of more than one rank: DTensors sharded along a
+    mesh dimension, and ``partitioned`` ones (each rank of the group holds a different part,
+    which may itself be a DTensor shard), grouped by those process groups (in order of first
+    appearance, the same on every rank holding the same parameters), with their gradients'
+    local shards (None: no gradient)."""
     from torch.distributed.tensor import DTensor
 
+    owners_of = {
+        id(p): owners for held, owners in partitioned if _group_size(owners) > 1 for p in held
+    }
     members: set[int] = set()
     by_layout: dict[tuple[int, ...], tuple[list[dist.ProcessGroup], list[torch.Tensor]]] = {}
     for parameter in parameters:
-        if not isinstance(parameter, DTensor):
-            continue
-        mesh, groups = parameter.device_mesh, []
-        for dim, placement in enumerate(parameter.placements):
-            if placement.is_partial():
-                raise ValueError(
-                    "a parameter is a DTensor with a Partial placement: clip after the "
-                    "gradients are reduced"
-                )
-            if placement.is_shard() and mesh.size(dim) > 1:
-                groups.append(mesh.get_group(dim))
+        groups = []
+        if isinstance(parameter, DTensor):
+            mesh = parameter.device_mesh
+            for dim, placement in enumerate(parameter.placements):
+                if placement.is_partial():
+                    raise ValueError(
+                        "a parameter is a DTensor with a Partial placement: clip after the "
+                        "gradients are reduced"
+                    )
+                if placement.is_shard() and mesh.size(dim) > 1:
+                    groups.append(mesh.get_group(dim))
+        if id(parameter) in owners_of:
+            groups.append(owners_of[id(parameter)])
         if not groups:
             continue  # replicated: its local gradient is the whole one, counted as a plain one
         members.add(id(parameter))

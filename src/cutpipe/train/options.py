@@ -415,11 +415,6 @@ class TrainOptions:
                 "--trace records the last step's timeline, which needs --step-boundary sync "
                 "(overlapped steps share their boundaries)"
             )
-        if self.ep > 1 and self.dp_mode == "fsdp":
-            problems.append(
-                "--dp-mode fsdp does not shard expert-parallel stages yet: use --dp-mode "
-                "allreduce or zero1 with --ep"
-            )
         if self.emulate and self.ep > 1:
             problems += expert_emulation_problems(self.costs)
         if self.emulate and self.runner_steps:

@@ -1,8 +1,10 @@
 """Parallelize a rank's stages for training, in one stated order (as torchtitan's
 ``parallelize.py`` does for its models):
 
-1. **FSDP** (``--dp-mode fsdp``): shard each block's parameters over the data-parallel group.
-   First, because the runner and the optimizer must hold the sharded parameters.
+1. **FSDP** (``--dp-mode fsdp``): shard each block's parameters over the data-parallel group
+   (with ``--ep``: an EP group's experts over the DP replicas holding them, the rest over all
+   DP x EP replicas). First, because the runner and the optimizer must hold the sharded
+   parameters.
 2. **Recompute** (``--recompute``): wrap each layer's forward so it keeps less and rebuilds the
    rest during B; it wraps the forwards FSDP's hooks call, so it composes with sharding.
 3. **Gradient reducer** (``--dp`` or ``--ep`` > 1): what averages the stages' gradients over the
@@ -64,7 +66,11 @@ def parallelize(
     if options.dp > 1 and options.dp_mode == "fsdp":
         from cutpipe.parallel.fsdp import FsdpReducer, shard_stages
 
-        shard_stages(done.stages, mesh.mesh["dp"])
+        if mesh.layout.ep > 1:  # experts over their DP replicas, the rest over DP x EP
+            expert_shards = (mesh.mesh["dp"], float(mesh.replicas))
+            shard_stages(done.stages, mesh.replica_mesh(), experts=expert_shards)
+        else:
+            shard_stages(done.stages, mesh.mesh["dp"])
         # FSDP2 warns that blocks return views (the layers' and the head's reshapes), where an
         # in-place op would drop its pre-backward hook, which all-gathers resharded weights for
         # the backward: here they stay whole through the step, and FsdpReducer runs the
@@ -80,5 +86,10 @@ def parallelize(
         done.reducer = done.fsdp = FsdpReducer(done.stages)
     elif mesh.replicas > 1:
         done.reducer = mesh.gradient_reducer(experts)
+    if done.fsdp is not None and experts:  # FSDP put DTensor parameters in their place
+        from cutpipe.parallel.expert_parallel import expert_parameters
+
+        held = [p for module in done.stages.values() for p in expert_parameters(module)]
+        experts = list({id(p): p for p in held}.values())
     done.experts = list(experts)
     return done

@@ -159,7 +159,7 @@ class Trainer:
         boundary = (
             {"clip_grad_norm": options.clip, "skip_nonfinite": options.skip_nonfinite,
              "step_boundary": options.step_boundary,
-             "partitioned": [(experts, self.mesh.ep_group)] if options.ep > 1 else ()}
+             "partitioned": [(self.parallel.experts, self.mesh.ep_group)] if options.ep > 1 else ()}
             if options.runner_steps else {}
         )  # fmt: skip
         # activations, op by op (what a W keeps included): parameters are not activations
