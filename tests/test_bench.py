@@ -159,6 +159,8 @@ def test_real_runs_measure_every_figure_through_the_trainer():
     assert set(ratios) == {"dualpipe", "dualpipev"}
     for step in results.emulated:  # sleeps never end early: the simulator is a lower bound
         assert step["agreement"] <= 1.01, step
+        # fed the measured durations, it predicts the step: the runtime waits for nothing else
+        assert step["replay_agreement"] >= 0.95, step
     for measured, simulated in ratios.values():  # a ratio from one run
         assert measured <= simulated + 0.1
 

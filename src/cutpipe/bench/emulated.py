@@ -7,7 +7,11 @@ real exchanges. The all-to-alls take half the compute (``COSTS``: F = 2, B = 4, 
 stage, 1 and 2 units of exchanges); with the hook an F&B pair should take its compute (6 units)
 rather than compute plus exchanges (9). The simulator gets the same costs, and hides a pair's
 exchanges exactly when the hook is on (``TrainOptions.simulated_costs``). The four runs take
-their steps in rotating order; each keeps its median makespan.
+their steps in rotating order; each keeps its median makespan. Beside the simulator fed the
+nominal costs is the simulator fed every op's measured duration and the measured transfer
+latency and per-op overhead (``cutpipe.sim.fit.replayed``): what the runtime adds per op shows
+as the gap between the two, and a measured step close to the replay says it waited for nothing
+the schedule does not ask for.
 """
 
 from __future__ import annotations
@@ -34,14 +38,24 @@ class EmulatedStep:
     simulated: float
     bubble: float
     simulated_bubble: float
+    replayed: float  # the simulator fed the measured op durations and delays
 
     @property
     def agreement(self) -> float:
         """The simulated step over the measured one (1: the runtime adds nothing)."""
         return self.simulated / self.measured
 
+    @property
+    def replay_agreement(self) -> float:
+        """The replayed step over the measured one."""
+        return self.replayed / self.measured
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "agreement": self.agreement}
+        return {
+            **asdict(self),
+            "agreement": self.agreement,
+            "replay_agreement": self.replay_agreement,
+        }
 
 
 def emulated_steps(setting: Any, rounds: int = 3) -> list[dict[str, Any]]:
@@ -50,6 +64,7 @@ def emulated_steps(setting: Any, rounds: int = 3) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     from cutpipe.sim import metrics, simulate
+    from cutpipe.sim.fit import measured_delays, replayed
     from cutpipe.train.options import TrainOptions
     from cutpipe.train.trainer import Trainer
 
@@ -87,6 +102,7 @@ def emulated_steps(setting: Any, rounds: int = 3) -> list[dict[str, Any]]:
                 schedule=run[0], hook=run[1], measured=middle.makespan / unit,
                 simulated=expected.makespan, bubble=metrics(middle, costs).bubble_ratio,
                 simulated_bubble=expected.bubble_ratio,
+                replayed=replayed(middle, measured_delays(middle)).makespan / unit,
             ).to_dict()
         )  # fmt: skip
     return steps
@@ -99,12 +115,15 @@ def render(steps: list[dict[str, Any]], title: str) -> Any:
     table = Table(title=title)
     table.add_column("schedule")
     table.add_column("hook")
-    for header in ("step (units)\nmeasured | sim.", "sim. / measured", "bubble\nmeasured | sim."):
+    headers = ("step (units)\nmeasured | sim.", "sim. / measured", "replayed / measured",
+               "bubble\nmeasured | sim.")  # fmt: skip
+    for header in headers:
         table.add_column(header, justify="right")
     for step in steps:
         table.add_row(
             step["schedule"], "on" if step["hook"] else "off",
             f"{step['measured']:.1f} | {step['simulated']:.1f}", f"{step['agreement']:.3f}",
+            f"{step['replay_agreement']:.3f}",
             f"{step['bubble']:.1%} | {step['simulated_bubble']:.1%}",
         )  # fmt: skip
     return table
