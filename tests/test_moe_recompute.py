@@ -20,6 +20,7 @@ from cutpipe.models import LanguageModelLoss, language_model
 from cutpipe.models.transformer import Layer
 from cutpipe.parallel.exchange import AllToAll
 from cutpipe.parallel.moe_stage import MoEStage, moe_stages
+from cutpipe.parallel.routing import routing_statistics
 from cutpipe.runtime.compute.deferral import WeightGradients, WeightSplitter
 from cutpipe.runtime.compute.phased import Compute
 from cutpipe.runtime.compute.phased_recompute import PhasedRecompute, recompute_pieces
@@ -167,6 +168,11 @@ def test_gradients_are_exact_each_piece_reruns_once_in_b_and_no_exchange_again(
     layers = SPEC.layers - SPEC.dense_layers  # each: dispatch and combine, each way
     assert exchanges.count == len(data) * layers * 2 * 2
     assert step.meter.current == 0  # every saved or kept byte was let go
+    # the routing is counted once per microbatch, not again by the rerun
+    counted = routing_statistics(step.stage).layers
+    assert len(counted) == layers
+    assert all(layer.microbatches == len(data) for layer in counted.values())
+    assert counted == routing_statistics(plain.stage).layers
 
 
 def peaks(
@@ -273,6 +279,10 @@ def test_an_moe_stage_without_expert_parallelism_recomputes_its_layers():
     recompute = apply_recompute(stage, "full", units=Layer)
     assert not isinstance(recompute, PhasedRecompute)
     assert recompute.units == [m for m in stage.modules() if isinstance(m, Layer)]
+    tokens, targets = batches(SPEC, 1)[0]
+    LanguageModelLoss()(stage(tokens), targets).backward()  # a layer's rerun routes again
+    counted = routing_statistics(stage).layers.values()
+    assert [layer.microbatches for layer in counted] == [1] * (SPEC.layers - SPEC.dense_layers)
     recompute.close()
 
 

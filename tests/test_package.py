@@ -48,7 +48,7 @@ LAYERS = {
     "plan": layer(NEVER, "schedule sim spec records files"),
     "runtime": layer(ANYWHERE, "schedule sim records files"),
     "models": layer(ANYWHERE, "spec model_config"),
-    "parallel": layer(ANYWHERE, "runtime models"),
+    "parallel": layer(ANYWHERE, "runtime models sim"),
     "launch": layer(ANYWHERE, "runtime"),
     "doctor": layer(LAZY),
     "profiling": layer(ANYWHERE, "plan models runtime spec"),
@@ -57,7 +57,7 @@ LAYERS = {
         ANYWHERE,
         "schedule sim plan runtime models parallel data spec model_config files records arguments",
     ),
-    "bench": layer(LAZY, "schedule sim plan runtime models parallel launch spec"),
+    "bench": layer(LAZY, "schedule sim plan runtime models parallel launch train spec"),
     "cli": layer(
         LAZY,
         "schedule sim viz plan runtime models parallel launch doctor profiling bench data train "

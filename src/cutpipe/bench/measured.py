@@ -53,7 +53,7 @@ class RealSetting:
     schedules: tuple[str, ...] = LINEUP
     hook_off: bool = True  # also run DualPipeV without the overlap hook
     model_file: str = ""  # "" : the shipped bench-moe.yaml
-    emulate_unit: float = 0.02  # seconds per cost unit of the emulated steps; 0: none
+    emulate_unit: float = 0.05  # seconds per cost unit of the emulated steps; 0: none
 
     @cached_property
     def model(self) -> ModelSpec:

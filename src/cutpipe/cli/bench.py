@@ -51,9 +51,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     runs.add_argument("--microbatches", "-m", type=positive_int, default=8,
                       help="per pipeline (default 8)")  # fmt: skip
     runs.add_argument("--steps", type=positive_int, default=5, help="measured steps per schedule")
-    runs.add_argument("--time-unit", type=real(0.0, exclusive=False), default=0.02,
+    runs.add_argument("--time-unit", type=real(0.0, exclusive=False), default=0.05,
                       help="seconds per cost unit of the emulated DualPipe and Cut-in-half steps "
-                      "(default 0.02; 0 skips them)")  # fmt: skip
+                      "(default 0.05; 0 skips them)")  # fmt: skip
     runs.add_argument("--timeout", type=positive_float, default=600.0,
                       help="stop the processes after this many seconds")  # fmt: skip
     runs.add_argument("--sim-only", action="store_true", help="skip the real runs")

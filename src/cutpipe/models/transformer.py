@@ -12,6 +12,7 @@ spreads them over an expert-parallel group; then its dispatch goes through all-t
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -109,10 +110,21 @@ class MoE(nn.Module):
         self.register_buffer("routing_bias", torch.zeros(experts) if routing.bias else None)
         self.bias_load: torch.Tensor | None = None  # choices per expert since the bias moved
         self.tally = RoutingTally()
+        self._counting = True  # off while activation recompute reruns the forward
 
     def capacity(self, tokens: int) -> int | None:
         """Choices each expert may take from a microbatch of ``tokens`` tokens (None: all)."""
         return capacity(self.capacity_factor, tokens, self.top_k, self.num_experts)
+
+    @contextmanager
+    def during_recompute_rerun(self) -> Iterator[None]:
+        """Activation recompute runs the forward again: its routing is counted once, not twice
+        (``cutpipe.runtime.compute.recompute.RERUN_HOOK``)."""
+        counting, self._counting = self._counting, False
+        try:
+            yield
+        finally:
+            self._counting = counting
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(expert of each token's choices, their weights, the load-balancing loss).
@@ -140,7 +152,7 @@ class MoE(nn.Module):
             over = over_capacity(chosen, scores, limit)
             chosen, weights = chosen.masked_fill(over, count), weights.masked_fill(over, 0.0)
             dropped = over.sum()
-        if torch.is_grad_enabled():  # a training forward: keep what it did
+        if torch.is_grad_enabled() and self._counting:  # a training forward, not a rerun
             self.tally.add(balance, routed, dropped)
             if self.routing_bias is not None:
                 self.bias_load = routed if self.bias_load is None else self.bias_load + routed

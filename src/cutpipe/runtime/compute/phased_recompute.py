@@ -78,7 +78,9 @@ class _RecomputedPiece:
         def again(*inputs: torch.Tensor) -> Value:
             return self.fn(dict(seen), *inputs)  # a copy: the rerun's writes stay its own
 
-        frame = Frame(f"piece {self.name}", now.state, again, now.mode, now.splitter, state, {})
+        frame = Frame(
+            f"piece {self.name}", now.state, again, now.mode, now.splitter, state, {}, now.stage
+        )
         with frame.forward():
             return self.fn(context, *state)
 

@@ -31,6 +31,10 @@ runs twice: the W never reruns anything. The executor needs nothing new for this
 
 A unit passes what it keeps, and what its rerun rebuilds, to the saved-tensor hooks around it
 (an ``ActivationMeter``, CPU offload), so a meter outside counts the memory really held.
+
+A module that keeps count of what its training forwards did (an MoE's routing tally) can tell
+the rerun apart: every module of the unit that has a ``during_recompute_rerun()`` method (a
+context manager) runs the rerun inside it (``RERUN_HOOK``).
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cutpipe.runtime.compute.deferral import WeightSplitter, splitter_of
 from cutpipe.runtime.compute.phased import PhasedStage
 from cutpipe.sim.costs import RECOMPUTE_MODES
+
+#: The method a module may define to know that its forward is running again, as a rerun.
+RERUN_HOOK = "during_recompute_rerun"
 
 #: The ops whose outputs a selective unit keeps: weight matmuls and fused attention kernels
 #: (their functional overloads: an ``out=`` call writes into a tensor a replay could not fill).
@@ -192,8 +199,10 @@ class Frame:
         splitter: WeightSplitter | None,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        told: nn.Module | None = None,
     ) -> None:
         self.name, self.run, self.mode, self.splitter = name, run, mode, splitter
+        self.told = told  # whose modules' RERUN_HOOK the rerun runs inside
         self.gradients = None if splitter is None else splitter.current
         self.hooks = _enclosing_hooks()
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -278,6 +287,10 @@ class Frame:
             if self.mode == "selective":
                 stack.enter_context(_Outputs(self, replay=True))
             stack.enter_context(saved_tensors_hooks(rebuild, _no_unpack))
+            for module in self.told.modules() if self.told is not None else ():
+                hook = getattr(module, RERUN_HOOK, None)
+                if hook is not None:
+                    stack.enter_context(hook())
             try:
                 self.run(*args, **kwargs)
             except _Rebuilt:
@@ -314,7 +327,7 @@ class _RecomputedForward:
             return self.own(*args, **kwargs)
         splitter = self.splitter if self.splitter is not None else splitter_of(self.unit)
         name, state = type(self.unit).__name__, state_storages(self.unit)
-        frame = Frame(name, state, self.own, self.mode, splitter, args, kwargs)
+        frame = Frame(name, state, self.own, self.mode, splitter, args, kwargs, self.unit)
         with frame.forward():
             return self.own(*args, **kwargs)
 
