@@ -46,15 +46,23 @@ class AllReduce:
     ``groups_of`` says which groups a parameter is reduced over (default: all of ``groups``):
     with expert parallelism a replicated parameter is summed over EP and DP but an expert over
     DP only (``cutpipe.parallel.mesh.ParallelMesh.gradient_reducer``).
+
+    ``paused``: reduce nothing (the earlier pipeline steps of an accumulated optimizer step, as
+    DDP's ``no_sync``): the local gradients add up and the last step reduces their sum once. It
+    must: an expert's sum over DP scaled by 1 / (DP x EP), reduced again with the next step's,
+    would be divided by EP once more.
     """
 
     groups: Sequence[dist.ProcessGroup]
     scale: float = 1.0
     groups_of: Callable[[nn.Parameter], Sequence[dist.ProcessGroup]] | None = None
+    paused: bool = False
     _in_flight: list[_InFlight] = field(default_factory=list)
 
     @torch.no_grad()
     def stage_done(self, stage: int, parameters: Sequence[nn.Parameter]) -> None:
+        if self.paused:
+            return
         buckets: dict[tuple[int, ...], tuple[Sequence[dist.ProcessGroup], list[nn.Parameter]]] = {}
         for parameter in parameters:
             groups = self.groups if self.groups_of is None else self.groups_of(parameter)
@@ -68,6 +76,8 @@ class AllReduce:
 
     @torch.no_grad()
     def finish(self) -> None:
+        if self.paused:
+            return
         in_flight, self._in_flight = self._in_flight, []
         for item in in_flight:
             if item.work is not None:

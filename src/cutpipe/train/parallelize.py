@@ -45,6 +45,16 @@ class Parallelized:
     recomputes: list[Recompute] = field(default_factory=list)
     experts: list[nn.Parameter] = field(default_factory=list)  # this rank's share of its EP group's
 
+    def reduce_next_step(self, reduce: bool) -> None:
+        """Whether the coming pipeline step reduces the gradients over the replicas: with
+        accumulation only the last one of an optimizer step does, once, the sum of the local
+        gradients (``AllReduce.paused``). FSDP reduce-scatters each step's fresh gradients into
+        the sharded ones, which accumulates exactly as it is."""
+        from cutpipe.parallel.data_parallel import AllReduce
+
+        if isinstance(self.reducer, AllReduce):
+            self.reducer.paused = not reduce
+
     def close(self) -> None:
         for recompute in self.recomputes:
             recompute.close()

@@ -375,8 +375,9 @@ class Trainer:
         fsdp = self.parallel.fsdp
 
         def batches():
-            for _ in range(options.grad_accum):
+            for index in range(options.grad_accum):
                 batch = self._batch()
+                self.parallel.reduce_next_step(index == options.grad_accum - 1)
                 if fsdp is not None:
                     # all-gathered now rather than by the first forwards, so that the meter
                     # knows the unsharded parameters (new storage every step) are no activations
