@@ -126,12 +126,12 @@ def test_pp2_x_ep2_follows_one_process_for_every_schedule_hook_recompute_and_bou
 
 
 @pytest.mark.timeout(600)
-def test_an_expert_parallel_checkpoint_reloads_into_one_process_and_exports_whole(
+def test_an_expert_parallel_checkpoint_reloads_into_other_layouts_and_exports_whole(
     model_file, tmp_path
 ):
     """PP2 x EP2 saves after steps 2 and 3: the export of step 3 holds every expert of the whole
-    model, under its names; one process resumes from step 2 and its step 3 follows the
-    expert-parallel run's."""
+    model, under its names, and PP4 x EP1 and PP1 x EP4 load step 3 bit for bit; one process
+    resumes from step 2 and its step 3 follows the expert-parallel run's."""
     import shutil
 
     import torch
@@ -147,6 +147,19 @@ def test_an_expert_parallel_checkpoint_reloads_into_one_process_and_exports_whol
     state = torch.load(exported)
     whole = language_model(load_model_config(Path(model_file))).state_dict()
     assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in whole.items()}
+    # the same checkpoint loads into PP 4 x EP 1 and PP 1 x EP 4: every parameter bit for bit
+    layouts = [
+        options(model_file, "1f1b", microbatches=4, checkpoint_dir=str(folder), resume=True),
+        options(model_file, "1f1b", ep=4, microbatches=2, checkpoint_dir=str(folder), resume=True),
+    ]
+    parameters = set(dict(language_model(load_model_config(Path(model_file))).named_parameters()))
+    for layout in zip(*run(workers.loaded_parameters, 4, (layouts,), timeout=300), strict=True):
+        seen = set()
+        for held in layout:  # every rank's parameters
+            for name, value in held.items():
+                assert torch.equal(value, state[name]), name
+            seen |= set(held)
+        assert seen == parameters  # between them the ranks hold the whole model
     shutil.rmtree(step_folder(folder, 3))  # back to step 2
     (folder / POINTER).write_text(step_folder(folder, 2).name)
     again = options(model_file, "1f1b", microbatches=4, checkpoint_dir=str(folder), resume=True)

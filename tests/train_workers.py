@@ -17,6 +17,20 @@ def train_rank(rank: int, world: int, options: TrainOptions) -> dict[str, Any]:
     return train(options)
 
 
+def loaded_parameters(rank: int, world: int, layouts: list[TrainOptions]) -> list[dict[str, Any]]:
+    """For each of ``layouts`` (resuming from the same checkpoint): the parameters this rank
+    holds once the checkpoint is loaded, by their names in the whole model."""
+    from cutpipe.train.trainer import Trainer
+
+    held = []
+    for options in layouts:
+        trainer = Trainer(options)
+        trainer.resume()
+        held.append({name: p.detach().clone() for name, p in trainer.held.named_parameters()})
+        trainer.close()
+    return held
+
+
 def train_runs(rank: int, world: int, runs: list[TrainOptions]) -> list[dict[str, Any]]:
     """Several runs one after another in the same processes: one launch, not one per run."""
     return [train(options) for options in runs]
