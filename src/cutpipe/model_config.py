@@ -39,7 +39,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from cutpipe.spec import MlpSpec, ModelSpec, read_mapping
+from cutpipe.spec import ACTIVATIONS, ROPE_TYPES, MlpSpec, ModelSpec, read_mapping
 
 #: Keys found in every Hugging Face decoder config and in no cutpipe file.
 HF_MARKERS = frozenset(
@@ -52,16 +52,17 @@ READ = frozenset(
         "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings", *EXPERT_KEYS,
         "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
         "shared_expert_intermediate_size", "first_k_dense_replace", "mlp_only_layers",
-        "moe_layer_freq", "decoder_sparse_step",
+        "moe_layer_freq", "decoder_sparse_step", "rms_norm_eps", "tie_word_embeddings",
+        "attention_bias", "mlp_bias", "hidden_act", "rope_theta", "rope_scaling",
+        "rope_parameters", "partial_rotary_factor", "sliding_window", "use_sliding_window",
     }
 )  # fmt: skip
 IGNORED = frozenset(
     {
         "architectures", "model_type", "transformers_version", "_name_or_path", "auto_map",
-        "torch_dtype", "dtype", "quantization_config", "initializer_range", "rms_norm_eps",
-        "layer_norm_eps", "layer_norm_epsilon", "partial_rotary_factor", "use_cache",
-        "pretraining_tp", "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act",
-        "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+        "torch_dtype", "dtype", "quantization_config", "initializer_range",
+        "layer_norm_eps", "layer_norm_epsilon", "use_cache",
+        "pretraining_tp", "max_window_layers", "layer_types",
         "norm_topk_prob", "routed_scaling_factor", "scoring_func", "topk_method", "n_group",
         "topk_group", "aux_loss_alpha", "seq_aux", "ep_size", "output_router_logits",
         "router_aux_loss_coef", "router_jitter_noise", "router_z_loss_coef",
@@ -199,7 +200,11 @@ def spec_from_hf_config(
     replaces ``max_position_embeddings``, which may then be absent."""
     if not isinstance(config, Mapping):
         raise ValueError(f"{source}: expected a mapping of config keys")
-    ours = sorted(set(config) & {f.name for f in fields(ModelSpec)})
+    ours = sorted(
+        key
+        for key in set(config) & {f.name for f in fields(ModelSpec)}
+        if not _ignored(key) and key not in READ  # a name both formats use
+    )
     if ours:
         raise ValueError(
             f"{source}: mixes Hugging Face keys with cutpipe fields {ours}: use one format"
@@ -235,6 +240,31 @@ class _Reader:
             raise self.fail(f"{key} must be a whole number >= {low}, got {value!r}")
         return value
 
+    def number(self, key: str, default: float) -> float:
+        """The key's number (the default where it is absent or null)."""
+        value = self.config.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise self.fail(f"{key} must be a number >= 0, got {value!r}")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.config.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.fail(f"{key} must be true or false, got {value!r}")
+        return value
+
+    def choice(self, key: str, default: str, allowed: tuple[str, ...]) -> str:
+        value = self.config.get(key, default)
+        if value not in allowed:
+            raise self.fail(
+                f"{key} {value!r} is not built by cutpipe (it builds {', '.join(allowed)})"
+            )
+        return value
+
     def need(self, key: str) -> int:
         value = self.count(key)
         if value is None:
@@ -245,7 +275,7 @@ class _Reader:
         return ValueError(f"{self.source}: {message}")
 
 
-def _sizes(read: _Reader, max_seq_len: int | None, seq_len: int | None) -> dict[str, int]:
+def _sizes(read: _Reader, max_seq_len: int | None, seq_len: int | None) -> dict[str, Any]:
     """ModelSpec's fields from the config's keys."""
     hidden, heads = read.need("hidden_size"), read.need("num_attention_heads")
     sizes = {
@@ -262,12 +292,72 @@ def _sizes(read: _Reader, max_seq_len: int | None, seq_len: int | None) -> dict[
         sizes["kv_heads"] = kv_heads
     head_dim = read.count("head_dim")
     if head_dim is not None and head_dim * heads != hidden:
-        raise read.fail(
-            f"head_dim {head_dim} is not hidden_size / num_attention_heads = {hidden / heads:g}: "
-            "cutpipe's attention projects to hidden_size, so it cannot build this model"
-        )
+        sizes["head_dim"] = head_dim
     sizes.update(_experts(read, sizes["layers"]))
+    sizes.update(_architecture(read, sizes["seq_len"]))
     return sizes
+
+
+#: Families whose attention has biases on the query, key and value projections only (Qwen2's
+#: are fixed in its code, not in its config), and families with per-head query/key norms.
+QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe")
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+
+
+def _architecture(read: _Reader, seq_len: int) -> dict[str, Any]:
+    """How the layers compute: position encoding, biases, norms, activation, tied embeddings
+    (``ModelSpec``'s architecture fields), as the config's family defines them."""
+    config, family = read.config, read.config.get("model_type", "llama")
+    fields_: dict[str, Any] = {
+        "norm_eps": read.number("rms_norm_eps", 1e-6),
+        "tie_embeddings": read.flag("tie_word_embeddings", False),
+        "mlp_bias": read.flag("mlp_bias", False),
+        "activation": read.choice("hidden_act", "silu", ACTIVATIONS),
+        "qk_norm": family in QK_NORM_FAMILIES,
+    }
+    if family in QKV_BIAS_FAMILIES:
+        fields_["qkv_bias"] = True
+    else:
+        fields_["qkv_bias"] = fields_["o_bias"] = read.flag("attention_bias", False)
+    partial = read.number("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise read.fail(
+            f"partial_rotary_factor {partial}: cutpipe rotates whole heads; it cannot build "
+            "this model"
+        )
+    window = config.get("sliding_window")
+    sliding = config.get("use_sliding_window", window is not None)
+    if sliding and window is not None and read.count("sliding_window") < seq_len:
+        raise read.fail(
+            f"sliding_window {window} is shorter than the sequence length {seq_len}: cutpipe "
+            "attends over the whole sequence; train with --seq-len at most the window"
+        )
+    fields_.update(_rotary(read))
+    return fields_
+
+
+def _rotary(read: _Reader) -> dict[str, Any]:
+    """The rotary embedding: ``rope_parameters`` (transformers 5) or ``rope_theta`` and
+    ``rope_scaling`` (earlier); the families' default base, 10000, where none is given."""
+    given = read.config.get("rope_parameters")
+    if given is None:
+        given = dict(read.config.get("rope_scaling") or {})
+        if "rope_theta" in read.config:
+            given["rope_theta"] = read.config["rope_theta"]
+    if not isinstance(given, Mapping):
+        raise read.fail(f"rope_parameters must be a mapping, got {given!r}")
+    rope = _Reader(given, f"{read.source}: rope parameters")
+    kind = given.get("rope_type", given.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise read.fail(f"rope_type {kind!r} is not one of {', '.join(ROPE_TYPES)}")
+    fields_: dict[str, Any] = {"rope_theta": rope.number("rope_theta", 10000.0), "rope_type": kind}
+    if kind != "default":
+        fields_["rope_factor"] = rope.number("factor", 1.0)
+    if kind == "llama3":
+        fields_["rope_low_freq_factor"] = rope.number("low_freq_factor", 1.0)
+        fields_["rope_high_freq_factor"] = rope.number("high_freq_factor", 4.0)
+        fields_["rope_original_positions"] = rope.need("original_max_position_embeddings")
+    return fields_
 
 
 def _seq_len(read: _Reader, max_seq_len: int | None, seq_len: int | None) -> int:

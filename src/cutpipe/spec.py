@@ -17,6 +17,12 @@ from pathlib import Path
 MAX_LAYERS = 10_000
 MAX_SIZE = 2**40
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+#: How rotary frequencies may be scaled: Hugging Face's ``rope_type``s. The planner takes any;
+#: the model builds ``BUILT_ROPE_TYPES`` and refuses the others by name.
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+BUILT_ROPE_TYPES = ("default", "linear", "llama3")
+#: The MLP activations cutpipe builds (Hugging Face's ``hidden_act`` names).
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,30 @@ class ModelSpec:
     dtype: str = "bf16"
     gated_mlp: bool = True
     flash_attention: bool = True
+    # how the layers compute, as the Hugging Face families define it (docs/models.md); the
+    # defaults are cutpipe's own examples': no position encoding, no biases, SiLU, untied
+    head_dim: int = 0  # 0: hidden / heads
+    rope_theta: float = 0.0  # rotary position embedding's base; 0: no position encoding
+    rope_type: str = "default"  # or "linear", "llama3": how the frequencies are scaled
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_positions: int = 0  # llama3: the context the frequencies were trained for
+    qkv_bias: bool = False  # biases on the query, key and value projections
+    o_bias: bool = False  # a bias on the attention's output projection
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm of each query and key head (Qwen3)
+    tie_embeddings: bool = False  # the head's weight is the embedding's
+    activation: str = "silu"  # of the gated MLP's gate (of the plain MLP: gelu, if "silu")
+    norm_eps: float = 1e-6
+
+    #: Fields a run's record leaves out at their defaults, so that checkpoints written before
+    #: they existed still compare as the same model (``cutpipe.train.resume``).
+    RECORDED_IF_SET = (
+        "head_dim", "rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor",
+        "rope_high_freq_factor", "rope_original_positions", "qkv_bias", "o_bias", "mlp_bias",
+        "qk_norm", "tie_embeddings", "activation", "norm_eps",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         counts = [f.name for f in fields(self) if f.type == "int"]
@@ -73,8 +103,13 @@ class ModelSpec:
             for name in counts
             if getattr(self, name) > MAX_SIZE
         ]
-        if self.hidden % self.heads:
-            problems.append(f"hidden {self.hidden} must be a multiple of heads {self.heads}")
+        if self.hidden % self.heads and not self.head_dim:
+            problems.append(
+                f"hidden {self.hidden} must be a multiple of heads {self.heads} (or give head_dim)"
+            )
+        if self.head_dim < 0:
+            problems.append(f"head_dim must be >= 0, got {self.head_dim}")
+        problems += self._architecture_problems()
         if self.kv_heads and (self.kv_heads > self.heads or self.heads % self.kv_heads):
             problems.append(
                 f"kv_heads {self.kv_heads} must divide heads {self.heads} (each key/value head "
@@ -90,6 +125,40 @@ class ModelSpec:
             problems.append(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
         if problems:
             raise ValueError(f"model {self.name!r}: " + "; ".join(problems))
+
+    def _architecture_problems(self) -> list[str]:
+        problems = []
+        for name in ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                     "norm_eps"):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                problems.append(f"{name} must be a number >= 0, got {value!r}")
+        if self.rope_type not in ROPE_TYPES:
+            problems.append(
+                f"rope_type must be one of {', '.join(ROPE_TYPES)}, got {self.rope_type!r}"
+            )
+        elif self.rope_type == "llama3" and (
+            self.rope_original_positions < 1
+            or self.rope_high_freq_factor <= self.rope_low_freq_factor
+        ):
+            problems.append(
+                "rope_type llama3 needs rope_original_positions >= 1 and rope_high_freq_factor "
+                "above rope_low_freq_factor"
+            )
+        if self.rope_theta and self.attention_head_dim % 2:
+            problems.append(
+                f"rotary embeddings need an even head_dim, got {self.attention_head_dim}"
+            )
+        if self.activation not in ACTIVATIONS:
+            problems.append(
+                f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}"
+            )
+        return problems
+
+    @property
+    def attention_head_dim(self) -> int:
+        """The size of one attention head."""
+        return self.head_dim or self.hidden // self.heads
 
     @property
     def moe(self) -> bool:
@@ -113,10 +182,10 @@ class ModelSpec:
         missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
         if missing:
             raise ValueError(f"{source}: missing fields {missing}")
-        kinds = {"int": int, "bool": bool, "str": str}
+        kinds = {"int": (int,), "bool": (bool,), "str": (str,), "float": (int, float)}
         for name, value in data.items():
             kind = kinds[known[name].type]
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            if not isinstance(value, kind) or (bool not in kind and isinstance(value, bool)):
                 raise ValueError(f"{source}: {name} must be {known[name].type}, got {value!r}")
         return cls(**data)
 

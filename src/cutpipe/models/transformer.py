@@ -11,6 +11,8 @@ spreads them over an expert-parallel group; then its dispatch goes through all-t
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -25,7 +27,7 @@ from cutpipe.models.router import (
     choices_per_expert,
     over_capacity,
 )
-from cutpipe.spec import ModelSpec
+from cutpipe.spec import BUILT_ROPE_TYPES, ModelSpec
 
 
 class RMSNorm(nn.Module):
@@ -35,25 +37,93 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        if x.dtype == torch.float32:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # in float32, as the Hugging Face families normalise, then back to the input's dtype
+        wide = x.float()
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (RoPE) as the Hugging Face Llama family computes it: each head's
+    first and second halves rotated by ``position * inv_freq``, the frequencies scaled as
+    ``rope_type`` says ("linear": divided by ``rope_factor``; "llama3": Llama 3.1's smooth
+    scaling of the long wavelengths)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        if spec.rope_type not in BUILT_ROPE_TYPES:
+            raise ValueError(
+                f"model {spec.name!r}: rope_type {spec.rope_type!r} is not built by cutpipe's "
+                f"transformer (it builds {', '.join(BUILT_ROPE_TYPES)}): the planner prices the "
+                "model, but it cannot be trained here yet"
+            )
+        dim = spec.attention_head_dim
+        inv_freq = 1.0 / (
+            spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        )
+        if spec.rope_type == "linear":
+            inv_freq = inv_freq / spec.rope_factor
+        elif spec.rope_type == "llama3":
+            inv_freq = _llama3_frequencies(inv_freq, spec)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of every position's angles, ``(length, head_dim)``, in float32."""
+        positions = torch.arange(length, device=device, dtype=torch.float32)
+        with torch.autocast(device.type, enabled=False):
+            angles = torch.outer(positions, self.inv_freq.to(device).float())
+            both = torch.cat((angles, angles), dim=-1)
+            return both.cos(), both.sin()
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    factor, low, high = spec.rope_factor, spec.rope_low_freq_factor, spec.rope_high_freq_factor
+    context = spec.rope_original_positions
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelength < context / high) & ~(wavelength > context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    turned = torch.cat((-second, first), dim=-1)
+    return x * cos.to(x.dtype) + turned * sin.to(x.dtype)
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention (grouped key/value heads if ``kv_heads < heads``)."""
+    """Causal multi-head self-attention (grouped key/value heads if ``kv_heads < heads``), with
+    rotary position embeddings, biases and per-head query/key norms where ``spec`` asks for them.
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int = 0) -> None:
+    Keys and values come from one projection (``kv``: the keys' rows, then the values'), the
+    Hugging Face ``k_proj`` and ``v_proj`` one above the other (``cutpipe.models.hf_weights``)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.heads, self.kv_heads = heads, kv_heads or heads
-        self.head_dim = hidden // heads
-        self.q = nn.Linear(hidden, hidden, bias=False)
-        self.kv = nn.Linear(hidden, 2 * self.kv_heads * self.head_dim, bias=False)
-        self.o = nn.Linear(hidden, hidden, bias=False)
+        self.heads, self.kv_heads = spec.heads, spec.kv_heads or spec.heads
+        self.head_dim = spec.attention_head_dim
+        width = self.heads * self.head_dim
+        self.q = nn.Linear(spec.hidden, width, bias=spec.qkv_bias)
+        self.kv = nn.Linear(spec.hidden, 2 * self.kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.o = nn.Linear(width, spec.hidden, bias=spec.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, spec.norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.norm_eps) if spec.qk_norm else None
+        self.rotary = Rotary(spec) if spec.rope_theta else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
-        q = self.q(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+        q = self.q(x).view(batch, length, self.heads, self.head_dim)
         k, v = self.kv(x).view(batch, length, 2, self.kv_heads, self.head_dim).unbind(2)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.rotary is not None:
+            cos, sin = self.rotary(length, x.device)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if self.kv_heads != self.heads:
             repeat = self.heads // self.kv_heads
             k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
@@ -61,20 +131,33 @@ class Attention(nn.Module):
         return self.o(out.transpose(1, 2).reshape(batch, length, -1))
 
 
-class MLP(nn.Module):
-    """A gated (SwiGLU) or plain (GELU) MLP."""
+#: The MLP activations by their Hugging Face names.
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
 
-    def __init__(self, hidden: int, ffn: int, gated: bool = True) -> None:
+
+class MLP(nn.Module):
+    """A gated MLP (``down(act(gate(x)) * up(x))``, SwiGLU by default) or a plain one
+    (``down(act(up(x)))``, GELU where the activation is left at SiLU)."""
+
+    def __init__(
+        self, hidden: int, ffn: int, gated: bool = True, bias: bool = False, act: str = "silu"
+    ) -> None:
         super().__init__()
         self.gated = gated
-        self.up = nn.Linear(hidden, ffn, bias=False)
-        self.gate = nn.Linear(hidden, ffn, bias=False) if gated else None
-        self.down = nn.Linear(ffn, hidden, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=bias)
+        self.gate = nn.Linear(hidden, ffn, bias=bias) if gated else None
+        self.down = nn.Linear(ffn, hidden, bias=bias)
+        self.act = ACTIVATIONS["gelu" if not gated and act == "silu" else act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is not None:
-            return self.down(F.silu(self.gate(x)) * self.up(x))
-        return self.down(F.gelu(self.up(x)))
+            return self.down(self.act(self.gate(x)) * self.up(x))
+        return self.down(self.act(self.up(x)))
 
 
 class MoE(nn.Module):
@@ -192,15 +275,19 @@ class Layer(nn.Module):
         routing: RoutingOptions | None = None,
     ) -> None:
         super().__init__()
-        self.attention_norm, self.mlp_norm = RMSNorm(spec.hidden), RMSNorm(spec.hidden)
-        self.attention = Attention(spec.hidden, spec.heads, spec.kv_heads)
+        self.attention_norm = RMSNorm(spec.hidden, spec.norm_eps)
+        self.mlp_norm = RMSNorm(spec.hidden, spec.norm_eps)
+        self.attention = Attention(spec)
         if spec.moe and index >= spec.dense_layers:
             self.mlp: nn.Module = MoE(
                 spec.hidden, spec.ffn, spec.experts, spec.top_k, spec.shared_experts,
                 spec.gated_mlp, routing,
             )  # fmt: skip
         else:
-            self.mlp = MLP(spec.hidden, spec.dense_ffn or spec.ffn, spec.gated_mlp)
+            self.mlp = MLP(
+                spec.hidden, spec.dense_ffn or spec.ffn, spec.gated_mlp, spec.mlp_bias,
+                spec.activation,
+            )  # fmt: skip
 
     def forward(self, x: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attention(self.attention_norm(x))
@@ -223,7 +310,7 @@ class Embedding(nn.Module):
 class Head(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.norm = RMSNorm(spec.hidden)
+        self.norm = RMSNorm(spec.hidden, spec.norm_eps)
         self.out = nn.Linear(spec.hidden, spec.vocab, bias=False)
 
     def forward(self, x: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,6 +333,8 @@ class LanguageModel(nn.Module):
         self.embed = Embedding(spec)
         self.layers = nn.ModuleList(Layer(spec, i, routing) for i in range(spec.layers))
         self.head = Head(spec)
+        if spec.tie_embeddings:  # one parameter, two names (a checkpoint saves it once)
+            self.head.out.weight = self.embed.table.weight
 
     def blocks(self) -> list[nn.Module]:
         return [self.embed, *self.layers, self.head]

@@ -274,23 +274,25 @@ def cut_module(
     blocks otherwise (``cutpipe.parallel.moe_stage.MoEStage`` runs them as phases)."""
     names = check_blocks(model, blocks)
     groups = stage_blocks(names, split, num_stages)
-    _check_untied(model, groups)
     wanted = range(len(groups)) if held is None else sorted(set(held))
+    _check_untied(model, groups, set(wanted))
     outside = [s for s in wanted if not 0 <= s < len(groups)]
     if outside:
         raise ValueError(f"there is no stage {outside[0]}: the model is cut into {len(groups)}")
     return {s: make_stage(model, groups[s]) for s in wanted}
 
 
-def _check_untied(model: nn.Module, groups: Sequence[Sequence[str]]) -> None:
-    """No parameter is shared by two stages: each stage would train its own copy."""
+def _check_untied(model: nn.Module, groups: Sequence[Sequence[str]], held: set[int]) -> None:
+    """No parameter is shared by a stage held here and one held elsewhere: each would train its
+    own copy. Stages held together share it as one parameter (the runner reduces it once, after
+    the later of them: a tied embedding and head on a V schedule's first rank)."""
     names = {id(p): name for name, p in model.named_parameters()}
     owner: dict[int, tuple[int, str]] = {}
     for stage, group in enumerate(groups):
         for block in group:
             for parameter in model.get_submodule(block).parameters():
                 first = owner.setdefault(id(parameter), (stage, block))
-                if first[0] != stage:
+                if first[0] != stage and len({first[0], stage} & held) == 1:
                     raise ValueError(
                         f"blocks {first[1]!r} (stage {first[0]}) and {block!r} (stage {stage}) "
                         f"share the parameter {names[id(parameter)]!r}: tied weights must stay in "

@@ -99,6 +99,7 @@ def run_layout(options: TrainOptions, world: int, task: Task) -> RunLayout:
         schedule = resolve_schedule(options.schedule_source, ranks, options.microbatches)
         # an emulated run cuts no model
         sizes = () if options.emulate else tuple(task.default_sizes(schedule))
+    _check_tied_embeddings(task, schedule)
     m = schedule.num_microbatches
     batch = options.batch or task.microbatch_size * m * replicas
     if batch % (m * replicas):
@@ -158,4 +159,24 @@ def _check_plan(plan: PlanFile, path: str, ranks: int, task: Task) -> None:
         raise ValueError(
             f"--plan {path} cuts {plan.model} ({plan.layers} layers), but --model is "
             f"{task.name} ({task.num_blocks() - 2} layers): plan this model, or train that one"
+        )
+
+
+def _check_tied_embeddings(task: Task, schedule: Schedule) -> None:
+    """A head tied to the embedding is one parameter: the rank that holds the embedding must
+    hold the head too (a V schedule's first rank does), and hold it once (no mirrored copies),
+    or the two uses' gradients would never meet."""
+    spec = getattr(task, "spec", None)
+    if not getattr(spec, "tie_embeddings", False) or schedule.num_ranks == 1:
+        return
+    placement, last = schedule.placement, schedule.num_stages - 1
+    together = any(
+        {0, last} <= set(placement.stages_of(rank)) for rank in range(schedule.num_ranks)
+    )
+    mirrored = any(len(placement.copies(stage)) > 1 for stage in range(schedule.num_stages))
+    if mirrored or not together:
+        raise ValueError(
+            f"{task.name} ties its head to its embedding (tie_word_embeddings), so one rank must "
+            f"hold both, once; {schedule.name} puts them on different ranks or copies them: use "
+            "a V schedule (dualpipev, zbv), or one process"
         )

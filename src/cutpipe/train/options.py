@@ -109,6 +109,10 @@ class ModelOptions:
         "example MLP on synthetic data)", Text(), metavar="FILE",
     )  # fmt: skip
     seq_len: int | None = option(None, "tokens per sequence (default: the model file's)", Whole(1))
+    init_from: str | None = option(
+        None, "start from a Hugging Face model folder's weights (config.json and *.safetensors, "
+        "sharded or not): each rank reads only its own stages' tensors", Text(), metavar="DIR",
+    )  # fmt: skip
     seed: int = option(0, "seeds the weights and the order of the data", Whole(0, 2**63 - 1))
     dtype: str = option("fp32", "bf16: autocast, fp32 master weights", Choice(DTYPES))
     recompute: str = option("none", "activation recompute per layer", Choice(RECOMPUTE_MODES))

@@ -83,8 +83,14 @@ class Task(Protocol):
 
 
 def task_for(options: TrainOptions) -> Task:
-    """The task of ``options.model`` (its sequence length overridden by ``--seq-len``)."""
-    spec = load_training_model(options.model, seq_len=options.seq_len)
+    """The task of ``options.model`` (its sequence length overridden by ``--seq-len``); with
+    ``--init-from DIR`` and no ``--model``, the folder's own config."""
+    model = options.model
+    if options.init_from and model == "mlp":
+        model = options.init_from
+    spec = load_training_model(model, seq_len=options.seq_len)
+    if options.init_from:
+        _check_weights(spec, options.init_from, options.seq_len)
     if isinstance(spec, MlpSpec):
         if options.data:
             raise ValueError(
@@ -100,6 +106,30 @@ def task_for(options: TrainOptions) -> Task:
         )
     routing = RoutingOptions(options.capacity_factor, bias=options.routing_bias_rate > 0)
     return LanguageModelTask(spec, options.data, options.aux_weight, routing)
+
+
+def _check_weights(spec: ModelSpec | MlpSpec, folder: str, seq_len: int | None) -> None:
+    """``--init-from`` names a Hugging Face folder of this model's weights (one line if not)."""
+    from dataclasses import replace
+
+    from cutpipe.model_config import load_model_config
+
+    if isinstance(spec, MlpSpec):
+        raise ValueError("--init-from loads a language model's weights: give --model FILE too")
+    theirs = load_model_config(folder, seq_len=seq_len or spec.seq_len)
+    same = replace(theirs, name=spec.name, microbatch_size=spec.microbatch_size, dtype=spec.dtype)
+    if same != spec:
+        differ = [
+            f"{k} {getattr(spec, k)!r} vs {getattr(theirs, k)!r}"
+            for k in spec.__dataclass_fields__
+            if getattr(spec, k) != getattr(same, k)
+        ]
+        raise ValueError(
+            f"--init-from {folder} holds another model than --model: {'; '.join(differ[:4])}"
+        )
+    from cutpipe.models.hf import weight_files
+
+    weight_files(folder)  # the weights are there
 
 
 @dataclass

@@ -151,6 +151,11 @@ class Trainer:
             held=self.schedule.placement.stages_of(self.mesh.pp_rank),
             make_stage=self.task.stage_maker(overlap=not options.no_overlap),
         )  # fmt: skip
+        if options.init_from:  # this rank's tensors only, memory-mapped
+            from cutpipe.models.hf import load_hf_weights
+
+            for stage in stages.values():
+                load_hf_weights(stage, options.init_from, self.task.spec)
         held = {id(p) for stage in stages.values() for p in stage.parameters()}
         experts = [p for p in expert_parameters(model) if id(p) in held]
         self.parallel = parallelize(stages, options, self.mesh, self.task.recompute_unit(), experts)

@@ -1,0 +1,161 @@
+"""cutpipe's transformer against ``transformers`` itself (docs/models.md): for tiny random models
+of each dense family that ``transformers`` makes offline, the config read, the weights loaded,
+the logits equal; the model exported as a folder that ``transformers`` loads with equal logits;
+a pipelined run started from those weights begins at ``transformers``' loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from cutpipe.model_config import load_model_config  # noqa: E402
+from cutpipe.models import language_model  # noqa: E402
+from cutpipe.models.hf import hf_names, load_hf_weights, save_hf_folder  # noqa: E402
+
+SIZES = dict(
+    vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+)  # fmt: skip
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 8,
+}  # fmt: skip
+#: each family with what sets it apart from the others
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True,
+                                  attention_bias=True, mlp_bias=True, rms_norm_eps=1e-5)),
+    "mistral": ("MistralConfig", dict(sliding_window=None, rope_parameters={
+        "rope_type": "default", "rope_theta": 1e6})),
+    "qwen2": ("Qwen2Config", dict(hidden_act="silu", rope_parameters={
+        "rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})),
+    "qwen3": ("Qwen3Config", dict(head_dim=16, attention_bias=False)),
+}  # fmt: skip
+
+
+EXPORTED_AS = {"mistral": "LlamaForCausalLM"}
+#: a cutpipe model file of another model (8 layers)
+MOEFREE = Path(__file__).parents[1] / "examples" / "models" / "tiny-dense.yaml"
+
+
+def hf_model(family: str, folder: Path, layers: int = 2) -> torch.nn.Module:
+    """A tiny random model of ``family``, saved to ``folder``."""
+    kind, extra = FAMILIES[family]
+    config = getattr(transformers, kind)(**{**SIZES, "num_hidden_layers": layers}, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # random biases and norms, so that a misplaced one shows
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                parameter.normal_(0.0, 0.5 if name.endswith("bias") else 1.0)
+    model.save_pretrained(folder)
+    return model
+
+
+def tokens(count: int = 2, length: int = 16) -> torch.Tensor:
+    return torch.randint(0, 256, (count, length), generator=torch.Generator().manual_seed(1))
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_equal_transformers_and_the_export_reloads_there(family, tmp_path):
+    theirs = hf_model(family, tmp_path / "hf")
+    spec = load_model_config(tmp_path / "hf")
+    ours = language_model(spec).eval()
+    loaded = load_hf_weights(ours, tmp_path / "hf", spec)
+    assert len(loaded) == len(list(ours.named_parameters(remove_duplicate=False)))
+    x = tokens()
+    with torch.no_grad():
+        expected = theirs(x).logits
+        got = ours(x)[0]
+    assert relative(got, expected) <= 1e-5
+    save_hf_folder(ours.state_dict(), spec, tmp_path / "out")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    # Mistral's layers are Llama's: it comes back as a Llama, with the same logits
+    assert type(again).__name__ == EXPORTED_AS.get(family, type(theirs).__name__)
+    with torch.no_grad():
+        assert relative(again(x).logits, got) <= 1e-5
+
+
+def test_what_the_families_set_is_read():
+    import json
+
+    def spec_of(family: str, tmp: Path):
+        hf_model(family, tmp)
+        return load_model_config(tmp)
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        llama = spec_of("llama", Path(folder) / "llama")
+        config = json.loads((Path(folder) / "llama" / "config.json").read_text())
+    assert config["dtype"] == "float32"  # current transformers writes it: read, not refused
+    assert (llama.rope_type, llama.rope_factor, llama.rope_original_positions) == ("llama3", 8, 8)
+    assert llama.tie_embeddings and llama.qkv_bias and llama.o_bias and llama.mlp_bias
+    assert llama.norm_eps == 1e-5 and llama.kv_heads == 2
+    with tempfile.TemporaryDirectory() as folder:
+        qwen2 = spec_of("qwen2", Path(folder) / "q2")
+        qwen3 = spec_of("qwen3", Path(folder) / "q3")
+    assert qwen2.qkv_bias and not qwen2.o_bias and qwen2.rope_type == "linear"
+    assert qwen3.qk_norm and qwen3.head_dim == 16 and not qwen3.qkv_bias
+    assert hf_names("layers.1.attention.kv.weight", qwen3) == [
+        "model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.weight"
+    ]  # fmt: skip
+
+
+@pytest.mark.timeout(400)
+def test_pipelined_runs_start_from_the_weights_and_export_for_transformers(tmp_path):
+    """A 6-layer Llama with tied embeddings and llama3 rope: DualPipeV on 2 ranks and ZB-V on 4 take
+    their first step from ``transformers``' loss on the same batch; the 2-rank run's checkpoint
+    exports a folder that ``transformers`` reloads with cutpipe's logits."""
+    import train_workers as workers
+
+    from cutpipe.launch import run
+    from cutpipe.models import LanguageModelLoss
+    from cutpipe.train.checkpoint.export import model_state
+    from cutpipe.train.options import TrainOptions
+    from cutpipe.train.tasks import LanguageModelTask
+
+    folder = tmp_path / "hf"
+    theirs = hf_model("llama", folder, layers=6)  # 8 blocks: a V on 4 ranks
+    spec = load_model_config(folder)
+    settings = dict(init_from=str(folder), microbatches=8, batch=8, aux_weight=0.0, quiet=True)
+    inputs, targets = next(LanguageModelTask(spec).loader(8, 0))
+    with torch.no_grad():
+        logits = theirs(inputs).logits
+    expected = float(LanguageModelLoss(0.0)((logits, torch.zeros(())), targets))
+    checkpoints = tmp_path / "ckpt"
+    two = TrainOptions.build(schedule="dualpipev", steps=2, checkpoint_dir=str(checkpoints),
+                             **settings)  # fmt: skip
+    four = TrainOptions.build(schedule="zbv", steps=1, **settings)
+    for options, ranks in ((two, 2), (four, 4)):
+        result = run(workers.train_rank, ranks, (options,), timeout=300)[0]
+        assert result["losses"][0] == pytest.approx(expected, rel=1e-5), options.schedule
+    trained = model_state(checkpoints)
+    save_hf_folder(trained, spec, tmp_path / "out")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ours = language_model(spec).eval()
+    ours.load_state_dict(trained)
+    x = tokens()
+    with torch.no_grad():
+        assert relative(again(x).logits, ours(x)[0]) <= 1e-5
+        assert relative(again(x).logits, theirs(x).logits) > 1e-3  # it trained
+
+
+def test_tied_embeddings_need_the_head_beside_the_embedding(tmp_path):
+    from cutpipe.train.layout import run_layout
+    from cutpipe.train.options import TrainOptions
+    from cutpipe.train.tasks import task_for
+
+    hf_model("llama", tmp_path / "hf")
+    options = TrainOptions.build(init_from=str(tmp_path / "hf"), schedule="1f1b", microbatches=4)
+    with pytest.raises(ValueError, match="one rank must hold both, once; 1f1b puts them"):
+        run_layout(options, 2, task_for(options))
+    with pytest.raises(ValueError, match="holds another model than --model: layers 8 vs 2"):
+        task_for(TrainOptions.build(init_from=str(tmp_path / "hf"), model=str(MOEFREE)))
