@@ -67,7 +67,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--metrics",
         metavar="FILE",
         nargs="+",
-        help="training runs' loss curves, from train --log (PNG or SVG); several files are "
+        help="training runs' loss curves, from train --metrics (PNG or SVG); several files are "
         "drawn side by side, each named by its file",
     )
     parser.add_argument("--entropy", type=float, metavar="NATS",

@@ -220,8 +220,10 @@ class LoggingOptions:
     """what a run reports"""
 
     log: str | None = option(
-        None, "write metrics as JSON lines", Custom(output_path, str), metavar="FILE"
-    )
+        None, "write metrics as JSON lines (--log is the same; under torchrun, which takes "
+        "--log as its own --log-dir, write --metrics)", Custom(output_path, str),
+        flags=("--metrics", "--log"), metavar="FILE",
+    )  # fmt: skip
     trace: str | None = option(
         None, "write the last step's measured timeline as JSON (for cutpipe draw)",
         Custom(output_path, str), metavar="FILE",
