@@ -314,3 +314,28 @@ def test_expert_parallelism_is_checked_before_any_process_starts(capsys, args, m
     code, _, err = run(capsys, *argv)
     assert code == 2 and message in err, err
     assert_one_line(err)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["train", "-s", "1f1b", "-n", "1", "--init-from", "{empty}"], "no model.safetensors"),
+     (["train", "-s", "1f1b", "-n", "1", "--init-from", "{empty}", "--model", TINY_DENSE],
+      "is a directory without a config.json"),
+     (["export", "--checkpoint", "{empty}", "-o", "{empty}/x.bin"], "ending"),
+     (["export", "--checkpoint", "{empty}", "-o", "{empty}/out", "--format", "hf"],
+      "--format hf needs --model FILE"),
+     (["export", "--checkpoint", "{empty}", "-o", "{empty}/x.pt", "--model", TINY_DENSE],
+      "--model is for --format hf")],
+)  # fmt: skip
+def test_hugging_face_weights_in_and_out_say_what_to_change(capsys, tmp_path, args, message):
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, '
+        '"num_attention_heads": 4, "intermediate_size": 48, "vocab_size": 256, '
+        '"max_position_embeddings": 32}'
+    )
+    if "--model" in args:  # a folder without the config: another model's folder
+        (tmp_path / "config.json").unlink()
+    argv = [a.replace("{empty}", str(tmp_path)) for a in args]
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err, err
+    assert_one_line(err)

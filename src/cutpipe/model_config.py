@@ -7,7 +7,7 @@ recognised by its keys and read as JSON only: no network, no weights. The keys r
 - ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``vocab_size``: ``hidden``,
   ``layers``, ``heads``, ``vocab``;
 - ``num_key_value_heads``: ``kv_heads`` (grouped key/value heads; absent or null: all heads);
-- ``head_dim``: checked, it must be ``hidden_size / num_attention_heads``;
+- ``head_dim``: ``head_dim`` where it is not ``hidden_size / num_attention_heads``;
 - ``max_position_embeddings``: ``seq_len``, at most the ``max_seq_len`` argument when given;
   the ``seq_len`` argument (``cutpipe train --seq-len``) replaces it, and then it may be absent;
 - ``intermediate_size``: ``ffn`` of a dense model, ``dense_ffn`` of an MoE's leading dense
@@ -19,16 +19,20 @@ recognised by its keys and read as JSON only: no network, no weights. The keys r
   shared experts as that size holds routed experts' sizes;
 - ``first_k_dense_replace``, or ``mlp_only_layers`` listing the first k layers: ``dense_layers``;
 - ``moe_layer_freq`` and ``decoder_sparse_step``: checked, they must be 1 (every layer past the
-  dense ones is an MoE).
+  dense ones is an MoE);
+- how the layers compute (docs/models.md): ``rope_parameters`` (or ``rope_theta`` and
+  ``rope_scaling``): the rotary embedding; ``rms_norm_eps``, ``hidden_act``, ``mlp_bias``,
+  ``tie_word_embeddings``; ``attention_bias`` (Qwen2's query/key/value biases come with its
+  ``model_type``, as Qwen3's query/key norms do); ``partial_rotary_factor`` (must be 1) and
+  ``sliding_window`` (must not be shorter than the sequence).
 
 Keys that do not change the layers cutpipe builds are ignored: names and versions, dtypes,
-initialisation, norm epsilons, rotary embedding settings, dropouts, token ids, caching, sliding
-windows, router details (scoring, groups, scaling, auxiliary loss coefficients), and a few that
-cutpipe approximates: tied embeddings (built untied), attention and MLP biases (left out), the
-activation (SiLU-gated), DeepSeek's latent attention (``q_lora_rank``, ``kv_lora_rank``,
-``qk_*_head_dim``, ``v_head_dim``: full heads, as examples/models/deepseek-v3-like.yaml) and
-its multi-token prediction layers (not built). Any other key is an error that names it, as is a
-pair of keys that contradict each other, so that a file is never silently misread.
+initialisation, dropouts, token ids, caching, router details (scoring, groups, scaling,
+auxiliary loss coefficients), and a few that cutpipe approximates for the mixture-of-experts
+families: DeepSeek's latent attention (``q_lora_rank``, ``kv_lora_rank``, ``qk_*_head_dim``,
+``v_head_dim``: full heads, as examples/models/deepseek-v3-like.yaml) and its multi-token
+prediction layers (not built). Any other key is an error that names it, as is a pair of keys
+that contradict each other, so that a file is never silently misread.
 """
 
 from __future__ import annotations

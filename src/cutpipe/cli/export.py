@@ -35,7 +35,10 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.format == "file":
-        output_file(ENDINGS)(args.output)  # the ending, checked before any work
+        try:  # the ending, checked before any work
+            output_file(ENDINGS)(args.output)
+        except argparse.ArgumentTypeError as error:
+            raise ValueError(f"--output: {error}") from None
         if args.model is not None:
             raise ValueError("--model is for --format hf: drop it, or add --format hf")
     elif args.model is None:

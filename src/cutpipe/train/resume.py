@@ -47,6 +47,10 @@ def run_record(options: TrainOptions, task: Task, layout: RunLayout) -> dict[str
     spec = dataclasses.asdict(task.spec)  # type: ignore[attr-defined]
     for name in ("name", "microbatch_size", "seq_len"):  # compared on their own (or not at all)
         spec.pop(name, None)
+    defaults = {f.name: f.default for f in dataclasses.fields(task.spec)}  # type: ignore[arg-type]
+    for name in getattr(task.spec, "RECORDED_IF_SET", ()):  # as records made before they existed
+        if spec.get(name) == defaults[name]:
+            spec.pop(name)
     return {
         "model": spec,
         "data": list(options.data),
