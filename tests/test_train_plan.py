@@ -76,7 +76,7 @@ def write(tmp_path: Path, **changes) -> str:
         ),
         ({"dp": 2}, ["--nproc", "2"], "is for 2 pipeline ranks x 2 replicas = 4 processes"),
         ({}, ["--nproc", "2", "--model", MOE], "cuts tiny-dense (8 layers), but --model is"),
-        ({"ep": 2}, ["--nproc", "2"], "uses EP=2 TP=1"),
+        ({"ep": 2, "dp": 2}, ["--nproc", "4"], "EP 2 needs an MoE model"),
         ({}, ["--nproc", "2", "--microbatches", "8"], "drop --microbatches 8 (the plan says 4)"),
         ({"dp": 2}, ["--nproc", "4", "--dp", "4"], "drop --dp 4 (the plan says 2)"),
         ({"recompute": "full"}, ["--nproc", "2", "--recompute", "selective"], "--recompute"),
