@@ -33,6 +33,7 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", dict(hidden_act="silu", rope_parameters={
         "rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})),
     "qwen3": ("Qwen3Config", dict(head_dim=16, attention_bias=False)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
 }  # fmt: skip
 
 
@@ -159,3 +160,27 @@ def test_tied_embeddings_need_the_head_beside_the_embedding(tmp_path):
         run_layout(options, 2, task_for(options))
     with pytest.raises(ValueError, match="holds another model than --model: layers 8 vs 2"):
         task_for(TrainOptions.build(init_from=str(tmp_path / "hf"), model=str(MOEFREE)))
+
+
+@pytest.mark.timeout(300)
+def test_mixtral_with_expert_parallelism_starts_from_transformers_loss(tmp_path):
+    """PP 2 x EP 2 on 4 ranks, DualPipeV with the overlap hook: each rank reads its own experts
+    (by their index in the whole model) and the first step's loss is ``transformers``'."""
+    import train_workers as workers
+
+    from cutpipe.launch import run
+    from cutpipe.models import LanguageModelLoss
+    from cutpipe.train.options import TrainOptions
+    from cutpipe.train.tasks import LanguageModelTask
+
+    folder = tmp_path / "hf"
+    theirs = hf_model("mixtral", folder)
+    spec = load_model_config(folder)
+    inputs, targets = next(LanguageModelTask(spec).loader(8, 0))
+    with torch.no_grad():
+        logits = theirs(inputs).logits
+    expected = float(LanguageModelLoss(0.0)((logits, torch.zeros(())), targets))
+    options = TrainOptions.build(init_from=str(folder), schedule="dualpipev", ep=2, steps=1,
+                                 microbatches=4, batch=8, aux_weight=0.0, quiet=True)  # fmt: skip
+    result = run(workers.train_rank, 4, (options,), timeout=240)[0]
+    assert result["losses"][0] == pytest.approx(expected, rel=1e-5)

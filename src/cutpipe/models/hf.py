@@ -2,7 +2,8 @@
 cutpipe's parameters as a folder ``transformers`` loads.
 
 cutpipe's names follow its own modules (``layers.3.attention.q.weight``); a Hugging Face
-decoder's follow its family's (``model.layers.3.self_attn.q_proj.weight``). ``hf_names`` maps one
+decoder's follow its family's (``model.layers.3.self_attn.q_proj.weight``; Mixtral's experts
+``model.layers.3.block_sparse_moe.experts.6.w1.weight``). ``hf_names`` maps one
 onto the other, parameter by parameter: one cutpipe tensor is one Hugging Face tensor, except the
 keys and values, which cutpipe projects with one matrix (``kv``: ``k_proj`` above ``v_proj``), and
 a tied head, which is the embedding.
@@ -40,27 +41,44 @@ _RENAMES = (
     (r"layers\.(\d+)\.mlp\.(gate|up|down)\.(weight|bias)", "model.layers.{0}.mlp.{1}_proj.{2}"),
 )
 _KV = re.compile(r"layers\.(\d+)\.attention\.kv\.(weight|bias)")
+#: Mixtral's mixture of experts: the router and each expert's three projections
+_MIXTRAL = (
+    (r"layers\.(\d+)\.mlp\.router\.weight", "model.layers.{0}.block_sparse_moe.gate.weight"),
+    (r"layers\.(\d+)\.mlp\.experts\.(\d+)\.gate\.weight",
+     "model.layers.{0}.block_sparse_moe.experts.{1}.w1.weight"),
+    (r"layers\.(\d+)\.mlp\.experts\.(\d+)\.down\.weight",
+     "model.layers.{0}.block_sparse_moe.experts.{1}.w2.weight"),
+    (r"layers\.(\d+)\.mlp\.experts\.(\d+)\.up\.weight",
+     "model.layers.{0}.block_sparse_moe.experts.{1}.w3.weight"),
+)  # fmt: skip
 
 
 def hf_names(name: str, spec: ModelSpec) -> list[str]:
     """The Hugging Face tensors that make cutpipe's parameter ``name``, in the order they are
     stacked (keys, then values, for ``kv``)."""
-    if spec.moe:
-        raise ValueError(
-            f"model {spec.name!r} has experts: Hugging Face weights are read and written for "
-            "dense models (Llama, Mistral, Qwen2, Qwen3) so far"
-        )
+    _check_mixtral(spec)
     if name == "head.out.weight" and spec.tie_embeddings:
         return ["model.embed_tokens.weight"]
     kv = _KV.fullmatch(name)
     if kv is not None:
         layer, kind = kv.groups()
         return [f"model.layers.{layer}.self_attn.{p}_proj.{kind}" for p in ("k", "v")]
-    for pattern, hf in _RENAMES:
+    for pattern, hf in (*_RENAMES, *_MIXTRAL) if spec.moe else _RENAMES:
         match = re.fullmatch(pattern, name)
         if match is not None:
             return [hf.format(*match.groups())]
     raise ValueError(f"no Hugging Face name for cutpipe's parameter {name!r}")
+
+
+def _check_mixtral(spec: ModelSpec) -> None:
+    """Of the mixture-of-experts families, Mixtral's weights map so far: every layer routed, no
+    shared experts, the chosen experts' weights normalised (as cutpipe's router does)."""
+    if spec.moe and (spec.shared_experts or spec.dense_layers or not spec.gated_mlp):
+        raise ValueError(
+            f"model {spec.name!r}: of the mixture-of-experts families, Hugging Face weights map "
+            "for Mixtral so far (no shared experts, no dense layers); Qwen-MoE's gated shared "
+            "experts and DeepSeek's routing are not built yet"
+        )
 
 
 def _safe_open() -> Any:
@@ -144,14 +162,17 @@ def hf_state(state: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str, to
 def hf_config(spec: ModelSpec) -> dict[str, Any]:
     """The ``config.json`` of ``spec`` as the Hugging Face family that builds it: Qwen3 (per-head
     query/key norms), Qwen2 (biases on the query, key and value projections only) or Llama."""
+    _check_mixtral(spec)
     if spec.moe:
-        raise ValueError(f"model {spec.name!r} has experts: export dense models only so far")
-    if spec.qk_norm:
+        family, architecture = "mixtral", "MixtralForCausalLM"
+    elif spec.qk_norm:
         family, architecture = "qwen3", "Qwen3ForCausalLM"
     elif spec.qkv_bias and not spec.o_bias:
         family, architecture = "qwen2", "Qwen2ForCausalLM"
     else:
         family, architecture = "llama", "LlamaForCausalLM"
+    if family == "mixtral" and (spec.qkv_bias or spec.o_bias or spec.mlp_bias or spec.qk_norm):
+        raise ValueError(f"model {spec.name!r}: Mixtral has no biases and no query/key norms")
     if family != "qwen2" and spec.qkv_bias != spec.o_bias:
         raise ValueError(
             f"model {spec.name!r}: no Hugging Face family has these attention biases "
@@ -190,7 +211,11 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
         "rope_parameters": rope,
         "dtype": "float32",
     }
-    if family != "qwen2":
+    if family == "mixtral":
+        config.update(
+            num_local_experts=spec.experts, num_experts_per_tok=spec.top_k, sliding_window=None
+        )
+    elif family != "qwen2":
         config["attention_bias"] = spec.qkv_bias
     if family == "llama":
         config["mlp_bias"] = spec.mlp_bias
