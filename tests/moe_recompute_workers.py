@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from moe_workers import grad_error, reference
+from moe_workers import grad_error, interleaved, reference
 from torch import nn
 
 from cutpipe import generate
@@ -126,21 +126,6 @@ def pipeline_step(
         "all_to_alls": calls.count,
         "trace": trace,
     }
-
-
-def interleaved(trace: list[tuple[str, str]]) -> int:
-    """How many exchanges had the other half's compute run while they were in flight."""
-    count, open_since = 0, {}
-    for position, (half, event) in enumerate(trace):
-        if event.startswith("start "):
-            open_since[(half, event[6:])] = position
-        elif event.startswith("wait "):
-            began = open_since.pop((half, event[5:]), None)
-            if began is not None and any(
-                h != half and not e.startswith(("start", "wait")) for h, e in trace[began:position]
-            ):
-                count += 1
-    return count
 
 
 def relative_error(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:

@@ -164,7 +164,7 @@ def pipeline_exactness(
                 "eval": float(evaluated),
                 "expected": expected[mesh.replica],
                 "grad_error": grad_error(runner.parameters(), names, twin),
-                "interleaved": _interleaved(trace),
+                "interleaved": interleaved(trace),
                 "pairs": sum(
                     1 for op in schedule.actions[mesh.pp_rank] if type(op).__name__ == "Overlap"
                 ),
@@ -174,7 +174,7 @@ def pipeline_exactness(
     return results
 
 
-def _interleaved(trace: list[tuple[str, str]]) -> int:
+def interleaved(trace: list[tuple[str, str]]) -> int:
     """How many exchanges had the other half's compute run while they were in flight."""
     count, open_since = 0, {}
     for position, (half, event) in enumerate(trace):

@@ -24,7 +24,9 @@ LLAMA = {
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
     "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 131072,
     "head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 8.0, "rope_type": "llama3"}, "attention_bias": False,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "attention_bias": False,
     "attention_dropout": 0.0, "mlp_bias": False, "bos_token_id": 128000, "eos_token_id": 128001,
     "initializer_range": 0.02, "pretraining_tp": 1, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16", "transformers_version": "4.43.0", "use_cache": True,
@@ -74,8 +76,11 @@ def test_a_llama_config_maps_onto_the_dense_fields(tmp_path):
     spec = load_model_config(write(folder, LLAMA))
     assert spec == ModelSpec(
         name="Llama-3.1-8B", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
-        vocab=128256, seq_len=131072,
+        vocab=128256, seq_len=131072, rope_theta=500000.0, rope_type="llama3", rope_factor=8.0,
+        rope_original_positions=8192, norm_eps=1e-5,
     )  # fmt: skip
+    # a head size of its own: the projections are heads x head_dim wide (Qwen3, Gemma)
+    assert load_model_config(write(tmp_path, {**LLAMA, "head_dim": 64})).attention_head_dim == 64
     assert load_model_config(folder, max_seq_len=4096).seq_len == 4096  # a folder: its config
     assert load_model_config(folder, max_seq_len=10**6).seq_len == 131072
 
@@ -141,7 +146,9 @@ def test_the_tiny_examples_split_over_four_ranks_with_a_v_schedule():
         ({"num_local_experts": 8, "n_routed_experts": 16}, r"expert counts disagree"),
         ({"num_experts_per_tok": 2}, r"num_experts_per_tok set but no experts"),
         ({"num_key_value_heads": 5}, r"num_key_value_heads 5 must divide"),
-        ({"head_dim": 64}, r"head_dim 64 is not hidden_size / num_attention_heads = 128"),
+        ({"hidden_act": "swish"}, r"hidden_act 'swish' is not built by cutpipe"),
+        ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor 0.5: cutpipe rotates whole"),
+        ({"rope_scaling": {"rope_type": "su"}}, r"rope_type 'su' is not one of default"),
         ({"hidden_size": 4097, "head_dim": None}, r"hidden 4097 must be a multiple of heads 32"),
         ({"num_hidden_layers": True}, r"num_hidden_layers must be a whole number"),
         ({"vocab_size": None}, r"missing vocab_size"),

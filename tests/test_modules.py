@@ -206,7 +206,7 @@ def tied() -> nn.Module:
         (language_model(DENSE), {"blocks": ["embed", "head"]}, ValueError, r"in no block: layers.0.attention_norm.weight"),
         (language_model(DENSE), {"blocks": "embed"}, TypeError, r"blocks must be a list of block names"),
         (Loose(), {"num_stages": 2}, ValueError, r"Loose has parameters or buffers in no block: bias"),
-        (tied(), {"num_stages": 2}, ValueError, r"blocks 'embed' \(stage 0\) and 'head' \(stage 1\) share the parameter 'embed.table.weight'"),
+        (tied(), {"num_stages": 2, "held": [0]}, ValueError, r"blocks 'embed' \(stage 0\) and 'head' \(stage 1\) share the parameter 'embed.table.weight'"),
         (nn.Module(), {"num_stages": 1}, ValueError, r"Module has no blocks to cut"),
     ],
 )  # fmt: skip
@@ -218,6 +218,12 @@ def test_bad_blocks_and_splits_say_what_to_change(model, options, error, message
 def test_tied_weights_in_one_stage_are_fine():
     stages = cut_module(tied(), num_stages=1)
     assert "head.out.weight" in stages[0].state_dict()
+
+
+def test_tied_weights_in_two_stages_of_one_rank_are_one_parameter():
+    """A V schedule's first rank holds the embedding's stage and the head's: one parameter."""
+    stages = cut_module(tied(), num_stages=2)
+    assert stages[0].embed.table.weight is stages[1].head.out.weight
 
 
 def test_from_module_checks_the_split_against_the_schedule():

@@ -12,8 +12,8 @@ from __future__ import annotations
 import moe_recompute_workers as workers
 import pytest
 import torch
+from dispatch_counts import CountMatmuls
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from cutpipe.launch import run
 from cutpipe.models import LanguageModelLoss, language_model
@@ -212,17 +212,6 @@ def test_recompute_lowers_the_activation_peak_of_a_phased_stage(split):
         peak = {mode: high for mode, (_, high) in found.items()}
         assert 2 * kept["full"] < kept["none"]  # a forward leaves much less
         assert peak["full"] < peak["selective"] < peak["none"]
-
-
-class CountMatmuls(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_selective_rerun_replays_the_matmuls_and_full_runs_them_again():

@@ -11,8 +11,8 @@ import copy
 
 import pytest
 import torch
+from dispatch_counts import CountMatmuls
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from cutpipe.models.transformer import Embedding, Head, LanguageModelLoss, Layer
 from cutpipe.plan.costs.model import w_memory
@@ -169,17 +169,6 @@ def test_full_recompute_halves_the_activation_peak_and_selective_lies_between(sp
     found = peaks(split)
     assert 2 * found["full"] <= found["none"]
     assert found["full"] < found["selective"] < found["none"]
-
-
-class CountMatmuls(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_selective_rerun_replays_the_matmuls_and_full_runs_them_again():
