@@ -13,6 +13,7 @@ import moe_recompute_workers as workers
 import pytest
 import torch
 from dispatch_counts import CountMatmuls
+from op_steps import OpSteps
 from torch import nn
 
 from cutpipe.launch import run
@@ -21,7 +22,6 @@ from cutpipe.models.transformer import Layer
 from cutpipe.parallel.exchange import AllToAll
 from cutpipe.parallel.moe_stage import MoEStage, moe_stages
 from cutpipe.parallel.routing import routing_statistics
-from cutpipe.runtime.compute.deferral import WeightGradients, WeightSplitter
 from cutpipe.runtime.compute.phased import Compute
 from cutpipe.runtime.compute.phased_recompute import PhasedRecompute, recompute_pieces
 from cutpipe.runtime.compute.recompute import apply_recompute
@@ -74,54 +74,20 @@ class TapeMeter(SavedMeter):
                 self._pack(tensor)
 
 
-class Step:
+class Step(OpSteps):
     """One step of a phased stage, op by op, under a ``SavedMeter`` (``tape``: a ``TapeMeter``);
     counts each piece's runs."""
 
     def __init__(self, stage: MoEStage, mode: str, split: bool, data, tape: bool = False) -> None:
         inputs = [tensor for batch in data for tensor in batch]
-        meter = TapeMeter if tape else SavedMeter
-        self.stage, self.meter = stage, meter(exclude=[*stage.parameters(), *inputs])
-        self.pieces = workers.PieceCalls([stage], self.meter.hold if tape else None)
+        meter = (TapeMeter if tape else SavedMeter)(exclude=[*stage.parameters(), *inputs])
+        self.pieces = workers.PieceCalls([stage], meter.hold if tape else None)
         self.recompute = apply_recompute(stage, mode, units=Layer)
-        self.splitter = WeightSplitter(stage) if split else None
-        self.loss_fn = LanguageModelLoss()
-        self.losses: dict[int, torch.Tensor] = {}
-        self.gradients: dict[int, WeightGradients | None] = {}
+        super().__init__(stage, meter, split)
+        self.stage = stage
 
-    def forward(self, microbatch: int, tokens: torch.Tensor, targets: torch.Tensor) -> None:
-        self.pieces.phase = "F"
-        gradients = WeightGradients() if self.splitter is not None else None
-        with self.meter.op("F", 0, microbatch):
-            if self.splitter is None:
-                self.losses[microbatch] = self.loss_fn(self.stage(tokens), targets)
-            else:
-                with self.splitter.deferring(gradients):
-                    self.losses[microbatch] = self.loss_fn(self.stage(tokens), targets)
-        self.gradients[microbatch] = gradients
-
-    def backward(self, microbatch: int) -> None:
-        self.pieces.phase = "B"
-        gradients = self.gradients[microbatch]
-        if gradients is not None:
-            gradients.defer = True
-        kind = "BW" if gradients is None else "B"
-        with self.meter.op(kind, 0, microbatch, gradients):
-            self.losses.pop(microbatch).backward()
-
-    def weight(self, microbatch: int) -> None:
-        self.pieces.phase = "W"
-        gradients = self.gradients.pop(microbatch)
-        if gradients is not None:
-            with self.meter.op("W", 0, microbatch):
-                gradients.run()
-
-    def run(self, data) -> None:
-        for microbatch, (tokens, targets) in enumerate(data):
-            self.forward(microbatch, tokens, targets)
-        for microbatch in range(len(data)):
-            self.backward(microbatch)
-            self.weight(microbatch)
+    def enter(self, kind: str) -> None:
+        self.pieces.phase = kind
 
     def gradients_by_name(self) -> dict[str, torch.Tensor]:
         return {n: p.grad for n, p in self.stage.named_parameters() if p.grad is not None}

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 from dispatch_counts import CountMatmuls
+from op_steps import OpSteps
 from torch import nn
 
 from cutpipe.models.transformer import Embedding, Head, LanguageModelLoss, Layer
@@ -50,21 +51,21 @@ def batches(spec: ModelSpec, count: int) -> list[tuple[torch.Tensor, torch.Tenso
     ]
 
 
-class Step:
+class Step(OpSteps):
     """One step of a stage holding the whole model, op by op, counting each layer's forwards."""
 
     def __init__(self, model: nn.Module, split: bool, data: list[tuple[torch.Tensor, ...]]) -> None:
         inputs = [tensor for batch in data for tensor in batch]  # held by the caller throughout
-        self.model, self.meter = model, SavedMeter(exclude=[*model.parameters(), *inputs])
-        self.splitter = WeightSplitter(model) if split else None
-        self.loss_fn = LanguageModelLoss()
-        self.losses: dict[int, torch.Tensor] = {}
-        self.gradients: dict[int, WeightGradients | None] = {}
+        super().__init__(model, SavedMeter(exclude=[*model.parameters(), *inputs]), split)
+        self.model = model
         self.phase = "F"
         self.forwards: dict[tuple[int, str], int] = {}
         layers = [m for m in model.modules() if isinstance(m, Layer)]
         for index, layer in enumerate(layers):  # attention_norm runs once per run of its layer
             layer.attention_norm.register_forward_pre_hook(self._counter(index))
+
+    def enter(self, kind: str) -> None:
+        self.phase = kind
 
     def _counter(self, index: int):
         def count(*_: object) -> None:
@@ -72,40 +73,6 @@ class Step:
             self.forwards[key] = self.forwards.get(key, 0) + 1
 
         return count
-
-    def forward(self, microbatch: int, tokens: torch.Tensor, targets: torch.Tensor) -> None:
-        self.phase = "F"
-        gradients = WeightGradients() if self.splitter is not None else None
-        with self.meter.op("F", 0, microbatch):
-            if self.splitter is None:
-                self.losses[microbatch] = self.loss_fn(self.model(tokens), targets)
-            else:
-                with self.splitter.deferring(gradients):
-                    self.losses[microbatch] = self.loss_fn(self.model(tokens), targets)
-        self.gradients[microbatch] = gradients
-
-    def backward(self, microbatch: int) -> None:
-        self.phase = "B"
-        gradients = self.gradients[microbatch]
-        if gradients is not None:
-            gradients.defer = True
-        kind = "BW" if gradients is None else "B"
-        with self.meter.op(kind, 0, microbatch, gradients):
-            self.losses.pop(microbatch).backward()
-
-    def weight(self, microbatch: int) -> None:
-        self.phase = "W"
-        gradients = self.gradients.pop(microbatch)
-        if gradients is not None:
-            with self.meter.op("W", 0, microbatch):
-                gradients.run()
-
-    def run(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for microbatch, (tokens, targets) in enumerate(data):
-            self.forward(microbatch, tokens, targets)
-        for microbatch in range(len(data)):
-            self.backward(microbatch)
-            self.weight(microbatch)
 
 
 def reference_gradients(spec: ModelSpec, data) -> list[torch.Tensor]:
