@@ -223,6 +223,7 @@ def test_cli_prints_the_measure_and_the_candidates_left_out(capsys, monkeypatch)
     assert main(base) == 0
     out = capsys.readouterr().out
     assert "ranked by makespan (steps synchronised)" in out
+    assert "dense-7b (4,096-token sequences) on 8 x H100" in out  # the model file's length
     count = next(line for line in out.splitlines() if "did not fit or could not run" in line)
     assert count.endswith("candidates did not fit or could not run (--verbose lists them)")
     assert main([*base, "--step-boundary", "overlap", "--verbose"]) == 0
@@ -244,3 +245,19 @@ def test_cli_refuses_a_usable_memory_outside_zero_to_one(capsys, value):
             "--usable-memory", value]  # fmt: skip
     assert main(args) == 2
     assert "must be a number > 0 and <= 1" in capsys.readouterr().err
+
+
+def test_the_sequence_length_is_set_on_the_command_line_and_shown(capsys, tmp_path):
+    """A Hugging Face config's max_position_embeddings is its longest context, not a training
+    length: --seq-len sets it, and the title says which length was planned."""
+    import json
+
+    config = {"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 8,
+              "num_attention_heads": 8, "intermediate_size": 2816, "vocab_size": 32000,
+              "max_position_embeddings": 163840}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    base = ["recommend", "-n", "4", "--gpu", "H100", "--model", str(tmp_path), "--top", "1"]
+    assert main([*base, "--seq-len", "2048"]) == 0
+    assert "(2,048-token sequences)" in capsys.readouterr().out
+    assert main([*base, "--seq-len", "0"]) == 2
+    assert "--seq-len: must be a whole number between 1 and" in capsys.readouterr().err

@@ -269,6 +269,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, gpu_required: bool = Tr
     """--model, --profile, --gpu, --memory-gb: what is trained on what."""
     parser.add_argument("--model", metavar="FILE",
                         help="cutpipe model YAML/JSON or a Hugging Face config.json")  # fmt: skip
+    parser.add_argument("--seq-len", type=whole_number(1, 2**24), metavar="N",
+                        help="tokens per sequence (default: the model file's; a Hugging Face "
+                        "config's max_position_embeddings)")  # fmt: skip
     parser.add_argument(
         "--profile",
         metavar="FILE",
@@ -298,7 +301,16 @@ def load_model_arguments(args: argparse.Namespace):
     if args.model is None and args.profile is None:
         raise ValueError("give the model: --model FILE.yaml (or --profile FILE.json)")
     profile = Profile.load(args.profile) if args.profile is not None else None
-    model = load_model_config(args.model) if args.model is not None else profile.model
+    seq_len = getattr(args, "seq_len", None)
+    if args.model is not None:
+        model = load_model_config(args.model, seq_len=seq_len)
+    else:
+        model = profile.model
+        if seq_len is not None and seq_len != model.seq_len:
+            raise ValueError(
+                f"{args.profile} was measured at sequences of {model.seq_len} tokens: drop "
+                f"--seq-len {seq_len}, or profile at that length"
+            )
     if profile is not None and profile.model != model:
         raise ValueError(
             f"{args.profile} was measured for model {profile.model.name!r}, not {model.name!r}: "

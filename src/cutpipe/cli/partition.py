@@ -95,7 +95,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{model.name}: {schedule.name} on {schedule.num_ranks} x {hardware.name}")
+    table = Table(
+        title=f"{model.name} ({model.seq_len:,}-token sequences): {schedule.name} on "
+        f"{schedule.num_ranks} x {hardware.name}"
+    )
     for column in ("stage", "rank", "layers", "F+B+W (ms)", "rank memory GB"):
         table.add_column(column, justify="right")
     work = [

@@ -170,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
     table = Table(
         box=box.SIMPLE_HEAD,
         pad_edge=False,
-        title=f"{model.name} on {args.devices} x {hardware.name}"
+        title=f"{model.name} ({model.seq_len:,}-token sequences) on {args.devices} x "
+        f"{hardware.name}"
         + (" (measured costs)" if profile else "")
         + f", ranked by {MEASURE_WORDS[measure]}",
     )
