@@ -12,6 +12,7 @@ import pytest
 import train_workers as workers
 
 from cutpipe.launch import run
+from cutpipe.plan.plan_file import PlanFile
 from cutpipe.train.options import TrainOptions
 
 #: 4 experts (top-2) over EP 2; 6 blocks fill a V on 2 ranks; the first layer dense
@@ -71,7 +72,7 @@ def reference(references: list[dict]) -> dict:
 
 @pytest.mark.timeout(600)
 def test_pp2_x_ep2_follows_one_process_for_every_schedule_hook_recompute_and_boundary(
-    model_file, references
+    model_file, references, tmp_path
 ):
     """Every schedule against one process; DualPipeV also without the hook and with selective
     and full recompute (which rerun each phased piece in the backward half of its pair), each
@@ -85,14 +86,23 @@ def test_pp2_x_ep2_follows_one_process_for_every_schedule_hook_recompute_and_bou
                   "skip": dict(skip_nonfinite=True, **CLIPPED)}  # fmt: skip
     # the same global batch in two pipeline steps; bf16 autocast (not exact: within its rounding)
     others = {"accumulated": dict(batch=8, grad_accum=2), "bf16": dict(dtype="bf16")}
+    # an expert-parallel plan file, as recommend -o writes one (EP counted inside DP)
+    plan = PlanFile(model="test-moe", layers=4, schedule="dualpipev", microbatches=4,
+                    stage_sizes=(2, 1, 1, 2), pp=2, dp=2, ep=2)  # fmt: skip
+    plan.save(tmp_path / "plan.json")
+    planned = TrainOptions.build(model=model_file, plan=str(tmp_path / "plan.json"), steps=3,
+                                 batch=16, quiet=True, aux_weight=0.0)  # fmt: skip
     runs = [options(model_file, name, ep=2) for name in SCHEDULES]
     runs += [options(model_file, "dualpipev", ep=2, **change) for change in variants.values()]
     runs += [options(model_file, "dualpipev", ep=2, **change) for change in boundaries.values()]
     runs += [options(model_file, "dualpipev", ep=2, **change) for change in others.values()]
+    runs.append(planned)
     steered = dict(routing_bias_rate=0.001, capacity_factor=1.0)  # watched below, not compared
     runs.append(options(model_file, "dualpipe", ep=2, **steered))
     *results, watched = run(workers.train_runs, 4, (runs,), timeout=540)[0]
-    *results, overlapped, skipping, accumulated, bf16 = results
+    *results, overlapped, skipping, accumulated, bf16, from_plan = results
+    assert from_plan["stage_sizes"] == [2, 1, 1, 2]  # the plan's partition ran
+    assert from_plan["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert accumulated["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     norms = [r["grad_norm"] for r in accumulated["records"]]
     assert norms == pytest.approx([r["grad_norm"] for r in reference["records"]], rel=1e-5)
