@@ -167,21 +167,26 @@ def test_a_checkpoint_directory_is_never_lost_and_a_damaged_shard_is_found(tmp_p
     assert (tmp_path / "ck" / "step-000001" / shard.name).exists()  # nothing deleted
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(not Path("/proc").exists(), reason="reads process states from /proc")
 def test_a_stopped_rank_is_named_frozen(tmp_path):
-    """SIGSTOP of one worker: its heartbeat stops, the host says its process is stopped, and the
-    launcher's one line names it as frozen (the runtime's own words)."""
+    """SIGSTOP of one worker once the run is stepping: its heartbeat stops, the host says its
+    process is stopped, and the launcher's one line names it as frozen (the runtime's own
+    words). (Stopped before its first step, a worker has no heartbeat yet to miss: the others
+    wait at start-up, as for a slow machine, until the rendezvous times out.)"""
+    metrics = tmp_path / "m.jsonl"
     command = [sys.executable, "-m", "cutpipe", "train", "--nproc", "2", "-s", "1f1b",
-               "--emulate", "--steps", "100000", "--time-unit", "0.005", "--quiet"]  # fmt: skip
+               "--emulate", "--steps", "100000", "--time-unit", "0.005", "--quiet",
+               "--metrics", str(metrics)]  # fmt: skip
     process = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)  # fmt: skip
     workers: list[int] = []
-    deadline = time.monotonic() + 90
-    while len(workers) < 2 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (
+        len(workers) < 2 or not metrics.exists() or len(metrics.read_text().splitlines()) < 3
+    ):  # both workers are up and the run has taken steps
         time.sleep(0.2)
         workers = sorted(_descendants(process.pid))
-    time.sleep(6)
     stopped, other = workers[-1], workers[0]
     os.kill(stopped, signal.SIGSTOP)
     deadline = time.monotonic() + 90
