@@ -93,6 +93,20 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def _workers(pid: int) -> list[int]:
+    """The worker processes the launcher ``pid`` started (its children that run cutpipe)."""
+    found = []
+    for child in _descendants(pid):
+        try:
+            stat = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
+            command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat[1]) == pid and b"cutpipe" in command:
+            found.append(child)
+    return sorted(found)
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -186,7 +200,7 @@ def test_a_stopped_rank_is_named_frozen(tmp_path):
         len(workers) < 2 or not metrics.exists() or len(metrics.read_text().splitlines()) < 3
     ):  # both workers are up and the run has taken steps
         time.sleep(0.2)
-        workers = sorted(_descendants(process.pid))
+        workers = _workers(process.pid)  # not a helper a worker may start for a moment
     stopped, other = workers[-1], workers[0]
     os.kill(stopped, signal.SIGSTOP)
     deadline = time.monotonic() + 90
