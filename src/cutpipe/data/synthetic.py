@@ -1,7 +1,7 @@
 """Synthetic regression data: random inputs and a teacher's answers to them.
 
 Batch ``i``'s inputs are drawn from a generator seeded by ``(seed, i)`` alone and its targets
-are ``teacher(inputs)``, so the batches need no files, depend on nothing but the seed and the
+are ``teacher(inputs)``, so the batches need no files, depend on nothing but ``seed`` and the
 teacher, and a resumed run sees exactly the batches the uninterrupted run would have. The
 example MLP's teacher is an MLP of its own shape with other weights (``cutpipe.train.tasks``):
 a target the student can reach, so its loss falls towards zero.

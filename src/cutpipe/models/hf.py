@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -116,12 +117,12 @@ def load_hf_weights(module: nn.Module, folder: str | Path, spec: ModelSpec) -> l
     tensors from ``folder``; the names loaded. Only those tensors are read, each file mapped."""
     files = weight_files(folder)
     safe_open = _safe_open()
-    handles: dict[Path, Any] = {}
     loaded = []
-    try:
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}  # each file opened once, mapped
         for name, parameter in module.named_parameters(remove_duplicate=False):
-            parts = []
-            for hf in hf_names(name, spec):
+            names, parts = hf_names(name, spec), []
+            for hf in names:
                 if hf not in files:
                     raise ValueError(
                         f"{folder}: no tensor {hf} (cutpipe's {name}): is this folder the "
@@ -129,20 +130,16 @@ def load_hf_weights(module: nn.Module, folder: str | Path, spec: ModelSpec) -> l
                     )
                 path = files[hf]
                 if path not in handles:
-                    handles[path] = safe_open(str(path), framework="pt").__enter__()
+                    handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
                 parts.append(handles[path].get_tensor(hf))
             value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             if tuple(value.shape) != tuple(parameter.shape):
                 raise ValueError(
-                    f"{folder}: {', '.join(hf_names(name, spec))} has shape "
-                    f"{tuple(value.shape)}, cutpipe's {name} {tuple(parameter.shape)}: the "
-                    "folder's config and its weights disagree"
+                    f"{folder}: {', '.join(names)} has shape {tuple(value.shape)}, cutpipe's "
+                    f"{name} {tuple(parameter.shape)}: the folder's config and its weights disagree"
                 )
             parameter.copy_(value.to(parameter.dtype))
             loaded.append(name)
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
     return loaded
 
 

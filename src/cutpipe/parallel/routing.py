@@ -54,12 +54,30 @@ class LayerRouting:
         """max / mean tokens per expert: 1.0 is a perfect balance (0.0 before any token)."""
         return self.max_load / self.mean_load if self.mean_load else 0.0
 
+    def __add__(self, other: LayerRouting) -> LayerRouting:
+        """Both tallies of one layer together (DualPipe's two copies of it)."""
+        return LayerRouting(
+            self.microbatches + other.microbatches,
+            self.balance_loss + other.balance_loss,
+            tuple(a + b for a, b in zip(self.load, other.load, strict=True)),
+            self.dropped + other.dropped,
+        )
+
 
 @dataclass(frozen=True)
 class RoutingStats:
     """Every MoE layer's ``LayerRouting``, by the layer's name in the model (``layers.3.mlp``)."""
 
     layers: dict[str, LayerRouting]
+
+    @classmethod
+    def combined(cls, shares: Iterable[RoutingStats]) -> RoutingStats:
+        """Several ranks' statistics as one model's: each layer once, copies added up."""
+        layers: dict[str, LayerRouting] = {}
+        for share in shares:
+            for name, layer in share.layers.items():
+                layers[name] = layers[name] + layer if name in layers else layer
+        return cls(dict(sorted(layers.items())))
 
     def summary(self) -> str:
         """One short line for a log: the worst balance, the mean loss, the dropped share."""

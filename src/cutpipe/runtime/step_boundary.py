@@ -81,18 +81,18 @@ def gradient_word(
     microbatch losses it computed, and the squares of the ``partitioned`` parameters, each set
     summed over the group whose ranks hold different parts of it (an EP group's experts; a
     collective of that group, whose ranks the all-to-alls keep in step)."""
-    grads = [p.grad.detach() for p in parameters if p.grad is not None]
-    if any(isinstance(g, DTensor) for g in grads):
+    grads = {id(p): p.grad.detach() for p in parameters if p.grad is not None}
+    if any(isinstance(g, DTensor) for g in grads.values()):
         raise TypeError(
             "the runner's clip_grad_norm and skip_nonfinite count plain gradients; these are "
             "DTensor shards (FSDP or tensor parallelism): clip with "
             "cutpipe.runtime.clipping.clip_grad_norm after runner.step instead"
         )
     apart = {id(p) for held, _ in partitioned for p in held}
-    squares = _squares([p.grad for p in parameters if p.grad is not None and id(p) not in apart])
+    squares = _squares([grad for key, grad in grads.items() if key not in apart])
     split = 0.0
     for held, owners in partitioned:
-        part = [p.grad for p in held if p.grad is not None]
+        part = [p.grad.detach() for p in held if p.grad is not None]
         device = part[0].device if part else torch.device("cpu")
         total = torch.tensor([_squares(part)], dtype=torch.float64, device=device)
         if dist.get_world_size(owners) > 1:
@@ -104,8 +104,7 @@ def gradient_word(
 def _squares(grads: Sequence[torch.Tensor]) -> float:
     if not grads:
         return 0.0
-    detached = [g.detach() for g in grads]
-    return float(torch.stack(torch._foreach_norm(detached)).double().square().sum())
+    return float(torch.stack(torch._foreach_norm(grads)).double().square().sum())
 
 
 def verdict(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -44,6 +44,8 @@ class Parallelized:
     fsdp: FsdpReducer | None = None  # the reducer, when it is FSDP's (it also unshards)
     recomputes: list[Recompute] = field(default_factory=list)
     experts: list[nn.Parameter] = field(default_factory=list)  # this rank's share of its EP group's
+    #: what a global gradient norm sums over a group first: the experts over their EP group
+    partitioned: list[tuple[list[nn.Parameter], Any]] = field(default_factory=list)
 
     def reduce_next_step(self, reduce: bool) -> None:
         """Whether the coming pipeline step reduces the gradients over the replicas: with
@@ -102,4 +104,6 @@ def parallelize(
         held = [p for module in done.stages.values() for p in expert_parameters(module)]
         experts = list({id(p): p for p in held}.values())
     done.experts = list(experts)
+    if mesh.layout.ep > 1:
+        done.partitioned = [(done.experts, mesh.ep_group)]
     return done

@@ -164,7 +164,7 @@ class Trainer:
         boundary = (
             {"clip_grad_norm": options.clip, "skip_nonfinite": options.skip_nonfinite,
              "step_boundary": options.step_boundary,
-             "partitioned": [(self.parallel.experts, self.mesh.ep_group)] if options.ep > 1 else ()}
+             "partitioned": self.parallel.partitioned}
             if options.runner_steps else {}
         )  # fmt: skip
         # activations, op by op (what a W keeps included): parameters are not activations
@@ -395,10 +395,10 @@ class Trainer:
             loss = accumulate(self.runner, batches())
         loss = float(self.mesh.average(loss))
         timeline = self.runner.timeline()
-        partitioned = [(self.parallel.experts, self.mesh.ep_group)] if options.ep > 1 else []
         norm = clip_grad_norm(  # clip=None: only measure
             self.runner.parameters(), math.inf if options.clip is None else options.clip,
-            group=self.runner.group, copies=mirror_copies(self.schedule), partitioned=partitioned,
+            group=self.runner.group, copies=mirror_copies(self.schedule),
+            partitioned=self.parallel.partitioned,
         )  # fmt: skip
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -416,38 +416,22 @@ class Trainer:
         over the pipeline, DualPipe's two copies of a layer added up)."""
         if not self.task.is_moe:
             return {}
-        from cutpipe.parallel.routing import routing_statistics, update_routing_bias
+        from cutpipe.parallel.routing import RoutingStats, routing_statistics, update_routing_bias
 
         stages, reduce = self.parallel.stages, self.mesh.sum_over_replicas
         if self.options.routing_bias_rate > 0:
             update_routing_bias(stages, self.options.routing_bias_rate, reduce=reduce)
         stats = routing_statistics(stages, reduce=reduce, reset=True)
-        mine = {name: (s.microbatches, s.balance_loss, s.load, s.dropped)
-                for name, s in stats.layers.items()}  # fmt: skip
-        every: list[dict] = [{} for _ in range(self.layout.pipeline_ranks)]
+        every = [stats]
         if self.layout.pipeline_ranks > 1:
-            dist.all_gather_object(every, mine, group=self.mesh.pp_group)
-        else:
-            every = [mine]
-        merged: dict[str, list] = {}
-        for share in every:
-            for name, (microbatches, balance, load, dropped) in share.items():
-                if name in merged:  # a mirrored copy's microbatches
-                    total = merged[name]
-                    total[0] += microbatches
-                    total[1] += balance
-                    total[2] = [a + b for a, b in zip(total[2], load, strict=True)]
-                    total[3] += dropped
-                else:
-                    merged[name] = [microbatches, balance, list(load), dropped]
-        microbatches = sum(m[0] for m in merged.values())
+            every = [None] * self.layout.pipeline_ranks
+            dist.all_gather_object(every, stats, group=self.mesh.pp_group)
+        merged = RoutingStats.combined(every).layers
+        microbatches = sum(layer.microbatches for layer in merged.values())
         return {
-            "balance_loss": sum(m[1] for m in merged.values()) / max(microbatches, 1),
-            "expert_load": {
-                name: max(m[2]) / (sum(m[2]) / len(m[2])) if sum(m[2]) else 0.0
-                for name, m in sorted(merged.items())
-            },
-            "dropped": sum(m[3] for m in merged.values()),
+            "balance_loss": sum(m.balance_loss for m in merged.values()) / max(microbatches, 1),
+            "expert_load": {name: layer.imbalance for name, layer in merged.items()},
+            "dropped": sum(layer.dropped for layer in merged.values()),
         }
 
     def _emulated_step(self) -> StepRecord:
