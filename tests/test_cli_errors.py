@@ -68,7 +68,10 @@ BAD_NUMBERS = [
     (["train", "-s", "1f1b", "-n", "2", "--time-unit", "-inf"], "--time-unit"),
     (["train", "-s", "1f1b", "-n", "2", "--timeout", "0"], "--timeout"),
     (["train", "-s", "1f1b", "-n", "2", "-m", "0"], "--microbatches/-m"),  # was: the default
-    (["train", "-s", "1f1b", "-n", "2", "--batch", "0"], "--batch"),  # was: the default
+    (
+        ["train", "-s", "1f1b", "-n", "2", "--global-batch", "0"],
+        "--global-batch",
+    ),  # was: the default
     (["train", "-s", "1f1b", "-n", "0"], "--nproc/-n"),
     (["train", "-s", "1f1b", "-n", "100000"], "between 1 and 64"),
     (["train", "-s", "1f1b", "-n", "2", "--step-timeout", "0.5"], "--step-timeout"),

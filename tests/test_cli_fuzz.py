@@ -108,7 +108,7 @@ def commands(paths: dict[str, str]) -> dict[str, tuple[list[str], dict[str, list
                                   "--warmup": ["0", "1"], "--json": [None]},
                     {"--model", "--output"}),
         "train": (["train"], {"--schedule": ONE_SCHEDULE, "--nproc": ["2", "4", "65"],
-                              "--microbatches": SMALL, "--steps": SMALL, "--batch": ["8", "32", "7"],
+                              "--microbatches": SMALL, "--steps": SMALL, "--global-batch": ["8", "32", "7"],
                               "--model": ["mlp", paths["tiny.yaml"], *inputs], "--lr": ["0.1"],
                               "--emulate": [None], "--costs": COSTS, "--time-unit": ["0.01"],
                               "--trace": outputs, "--backend": ["gloo", "mpi"],

@@ -53,12 +53,14 @@ def model_file(tmp_path: Path) -> str:
 
 
 def options(model: str, schedule: str, **changes) -> TrainOptions:
-    settings = dict(model=model, schedule=schedule, steps=8, microbatches=4, batch=8, quiet=True)
+    settings = dict(
+        model=model, schedule=schedule, steps=8, microbatches=4, global_batch=8, quiet=True
+    )
     return TrainOptions.build(**{**settings, **changes})
 
 
 #: the one-process references: the default run, and 3 steps of the 16-sequence batch (DP tests)
-REFERENCES = {"default": {}, "3 steps of 16": dict(steps=3, batch=16, microbatches=8)}
+REFERENCES = {"default": {}, "3 steps of 16": dict(steps=3, global_batch=16, microbatches=8)}
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +97,7 @@ def test_data_parallel_replicas_follow_one_process(model_file, references):
     """PP2 x DP2 with ZeRO-1 on the same global batch (each replica half of it): the losses of
     one process running all eight microbatches (tests/test_data_parallel.py checks every mode's
     gradients and parameters; this is the trainer's wiring: mesh, shards, sharded AdamW)."""
-    same = dict(steps=3, batch=16)
+    same = dict(steps=3, global_batch=16)
     reference = references["3 steps of 16"]
     settings = options(model_file, "dualpipev", dp=2, dp_mode="zero1", microbatches=4, **same)
     ranks = run(workers.train_rank, 4, (settings,), timeout=240)
@@ -112,7 +114,7 @@ def test_fsdp_replicas_follow_one_process_and_resume_bitwise(model_file, tmp_pat
     bitwise (tests/test_fsdp.py checks the gradients and parameters themselves). The resumed run
     is a new run in the same processes (a killed worker's restart in new processes:
     test_a_killed_worker_restarts_and_resumes_bitwise)."""
-    same = dict(steps=3, batch=16)
+    same = dict(steps=3, global_batch=16)
     reference = references["3 steps of 16"]
     fsdp = dict(dp=2, dp_mode="fsdp", microbatches=4, checkpoint_dir=str(tmp_path / "ckpt"))
     settings = options(model_file, "dualpipev", checkpoint_every=2, **fsdp, **same)
@@ -159,7 +161,7 @@ def test_torchrun_runs_the_same_command_with_its_metrics(model_file, tmp_path):
     """``--metrics`` passes through torchrun (which would take ``--log`` for its ``--log-dir``)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                "2", "-m", "cutpipe", "train", "--quiet", "--model", model_file, "-s", "dualpipev",
-               "--steps", "2", "-m", "4", "--batch", "8", "--metrics", str(tmp_path / "m.jsonl")]  # fmt: skip
+               "--steps", "2", "-m", "4", "--global-batch", "8", "--metrics", str(tmp_path / "m.jsonl")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=280, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(_losses(tmp_path / "m.jsonl")) == [1, 2]
@@ -172,7 +174,7 @@ def _losses(log: Path) -> dict[int, float]:
 @pytest.mark.timeout(600)
 def test_a_killed_worker_restarts_and_resumes_bitwise(model_file, tmp_path):
     common = ["--model", model_file, "--schedule", "dualpipev", "--nproc", "2", "--steps", "6",
-              "-m", "4", "--batch", "8", "--checkpoint-every", "2"]  # fmt: skip
+              "-m", "4", "--global-batch", "8", "--checkpoint-every", "2"]  # fmt: skip
     whole = cutpipe_train(*common, "--checkpoint-dir", str(tmp_path / "a"),
                           "--log", str(tmp_path / "a.jsonl"), "--profile-steps", "2:3",
                           "--profile-dir", str(tmp_path / "profile"))  # fmt: skip
@@ -198,9 +200,12 @@ def test_a_killed_worker_restarts_and_resumes_bitwise(model_file, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_a_dualpipe_checkpoint_reshards_into_other_layouts(model_file, tmp_path):
-    common = ["--model", model_file, "-m", "8", "--batch", "16", "--steps", "6"]
-    whole = cutpipe_train(*common, "--schedule", "dualpipe", "--nproc", "4",
+def test_a_two_process_checkpoint_resumes_on_four_with_the_same_global_batch(model_file, tmp_path):
+    """The same command on 2 processes and on 4 trains the same global batch (16 sequences, the
+    model's default), cut into other microbatches: DualPipeV's checkpoint of 2 ranks resumes
+    into DualPipe's two copies of every stage on 4 ranks with the uninterrupted run's losses."""
+    common = ["--model", model_file, "--steps", "6"]
+    whole = cutpipe_train(*common, "--schedule", "dualpipev", "--nproc", "2",
                           "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4",
                           "--log", str(tmp_path / "whole.jsonl"))  # fmt: skip
     assert whole.returncode == 0, whole.stderr[-3000:]
@@ -208,18 +213,19 @@ def test_a_dualpipe_checkpoint_reshards_into_other_layouts(model_file, tmp_path)
     shutil.rmtree(tmp_path / "ckpt" / "step-000006")
     (tmp_path / "ckpt" / "latest").write_text("step-000004")
     expected = _losses(tmp_path / "whole.jsonl")
-    # into DualPipeV on 2 ranks (tests/test_checkpoint.py also loads it into one process)
-    for schedule, nproc in (("dualpipev", "2"),):
-        directory = tmp_path / f"ckpt-{schedule}"
-        shutil.copytree(tmp_path / "ckpt", directory)
-        log = tmp_path / f"{schedule}.jsonl"
-        resumed = cutpipe_train(*common, "--schedule", schedule, "--nproc", nproc, "--resume",
-                                "--checkpoint-dir", str(directory), "--log", str(log))  # fmt: skip
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        got = _losses(log)
-        assert sorted(got) == [5, 6], got
-        for step, loss in got.items():
-            assert loss == pytest.approx(expected[step], rel=1e-5), (schedule, step)
+    directory = tmp_path / "ckpt-dualpipe"
+    shutil.copytree(tmp_path / "ckpt", directory)
+    log = tmp_path / "dualpipe.jsonl"
+    resumed = cutpipe_train(*common, "--schedule", "dualpipe", "--nproc", "4", "--resume",
+                            "--checkpoint-dir", str(directory), "--log", str(log))  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "the resumed run changes schedule dualpipev -> dualpipe, microbatches 4 -> 8" in (
+        resumed.stdout
+    ), resumed.stdout
+    got = _losses(log)
+    assert sorted(got) == [5, 6], got
+    for step, loss in got.items():
+        assert loss == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
     exported = tmp_path / "model.safetensors"  # `cutpipe export` in this process
     assert cli(["export", "--checkpoint", str(tmp_path / "ckpt"), "-o", str(exported)]) == 0
     from cutpipe.models import language_model, load_model_config

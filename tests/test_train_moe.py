@@ -50,7 +50,9 @@ def model_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 def options(model: str, schedule: str, **changes) -> TrainOptions:
     """3 steps of a 16-sequence global batch; no load-balancing loss, which each replica takes
     over its own share (docs/moe.md): the one-process reference takes it over the whole batch."""
-    settings = dict(model=model, schedule=schedule, steps=3, batch=16, quiet=True, aux_weight=0.0)
+    settings = dict(
+        model=model, schedule=schedule, steps=3, global_batch=16, quiet=True, aux_weight=0.0
+    )
     return TrainOptions.build(**{**settings, **changes})
 
 
@@ -85,13 +87,13 @@ def test_pp2_x_ep2_follows_one_process_for_every_schedule_hook_recompute_and_bou
     boundaries = {"overlap": dict(step_boundary="overlap", **CLIPPED),
                   "skip": dict(skip_nonfinite=True, **CLIPPED)}  # fmt: skip
     # the same global batch in two pipeline steps; bf16 autocast (not exact: within its rounding)
-    others = {"accumulated": dict(batch=8, grad_accum=2), "bf16": dict(dtype="bf16")}
+    others = {"accumulated": dict(global_batch=16, grad_accum=2), "bf16": dict(dtype="bf16")}
     # an expert-parallel plan file, as recommend -o writes one (EP counted inside DP)
     plan = PlanFile(model="test-moe", layers=4, schedule="dualpipev", microbatches=4,
                     stage_sizes=(2, 1, 1, 2), pp=2, dp=2, ep=2)  # fmt: skip
     plan.save(tmp_path / "plan.json")
     planned = TrainOptions.build(model=model_file, plan=str(tmp_path / "plan.json"), steps=3,
-                                 batch=16, quiet=True, aux_weight=0.0)  # fmt: skip
+                                 global_batch=16, quiet=True, aux_weight=0.0)  # fmt: skip
     runs = [options(model_file, name, ep=2) for name in SCHEDULES]
     runs += [options(model_file, "dualpipev", ep=2, **change) for change in variants.values()]
     runs += [options(model_file, "dualpipev", ep=2, **change) for change in boundaries.values()]

@@ -75,7 +75,8 @@ class RealSetting:
         return TrainOptions.build(
             model=self.model_file or bench_model_file(), schedule=name.split("-")[0],
             microbatches=self.microbatches, ep=self.ep, nproc=self.processes,
-            steps=self.steps + 1, no_overlap=name == HOOK_OFF, quiet=True, step_timeout=120.0,
+            steps=self.steps + 1, no_overlap=name == HOOK_OFF,
+            global_batch=self.ep * self.microbatches * self.model.microbatch_size, quiet=True, step_timeout=120.0,
         )  # fmt: skip
 
     def check(self) -> None:

@@ -13,8 +13,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cutpipe.plan.plan_file import PlanFile
+from cutpipe.schedule.registry import schedule_info
 from cutpipe.schedule.schedule import Schedule
-from cutpipe.train.options import TrainOptions, resolve_schedule
+from cutpipe.train.options import (
+    GLOBAL_BATCH_MICROBATCHES,
+    TrainOptions,
+    default_microbatches,
+    is_schedule_file,
+    resolve_schedule,
+)
 
 if TYPE_CHECKING:
     from cutpipe.train.tasks import Task
@@ -80,7 +87,9 @@ def with_plan(options: TrainOptions) -> TrainOptions:
 
 
 def run_layout(options: TrainOptions, world: int, task: Task) -> RunLayout:
-    """The layout of ``options`` (``with_plan`` applied) on ``world`` processes."""
+    """The layout of ``options`` (``with_plan`` applied) on ``world`` processes: the global
+    batch is the same on any layout (``--global-batch``, or the default), and microbatches not
+    given are the schedule's default, or the nearest count that divides each pipeline's share."""
     replicas = options.dp * options.ep
     if world % replicas:
         raise ValueError(
@@ -90,24 +99,82 @@ def run_layout(options: TrainOptions, world: int, task: Task) -> RunLayout:
     if not options.emulate:  # an emulated run's experts are sleeps: any model takes them
         task.check_experts(options.ep)
     ranks = world // replicas
+    accumulated = options.grad_accum * replicas  # pipelines' shares of one optimizer step
     if options.plan is not None:
         plan = PlanFile.load(options.plan)
         _check_plan(plan, options.plan, ranks, task)
         schedule = plan.resolve()
         sizes = tuple(plan.stage_sizes)
+        # a plan fixes the microbatches: by default a step is the plan's microbatches, each of
+        # the model's size, on every pipeline
+        default = task.microbatch_size * schedule.num_microbatches * accumulated
     else:
-        schedule = resolve_schedule(options.schedule_source, ranks, options.microbatches)
+        default = task.microbatch_size * GLOBAL_BATCH_MICROBATCHES
+        microbatches = options.microbatches
+        if (
+            microbatches is None
+            and not options.emulate
+            and not is_schedule_file(options.schedule_source)
+        ):
+            share = _share(options.global_batch or default, accumulated, options)
+            microbatches = fitting_microbatches(options.schedule_source, ranks, share, options)
+        schedule = resolve_schedule(options.schedule_source, ranks, microbatches)
         # an emulated run cuts no model
         sizes = () if options.emulate else tuple(task.default_sizes(schedule))
     _check_tied_embeddings(task, schedule)
     m = schedule.num_microbatches
-    batch = options.batch or task.microbatch_size * m * replicas
-    if batch % (m * replicas):
-        raise ValueError(
-            f"batch {batch} does not split into {replicas} replicas x {m} microbatches: use "
-            f"a multiple of {m * replicas}"
+    if options.emulate:  # trains nothing: a batch of the model's microbatches
+        return RunLayout(
+            schedule, options.dp, sizes, task.microbatch_size * m * replicas, options.ep
         )
-    return RunLayout(schedule, options.dp, sizes, batch, options.ep)
+    global_batch = options.global_batch or default
+    share = _share(global_batch, accumulated, options)
+    if share % m:
+        raise ValueError(
+            f"--global-batch {global_batch} gives each pipeline {share} sequences per pipeline "
+            f"step, which do not split into {m} microbatches: use a multiple of "
+            f"{m * accumulated} (or other --microbatches)"
+        )
+    return RunLayout(schedule, options.dp, sizes, share * replicas, options.ep)
+
+
+def _share(global_batch: int, accumulated: int, options: TrainOptions) -> int:
+    """Sequences of ``global_batch`` one pipeline takes per pipeline step."""
+    if global_batch % accumulated:
+        parts = f"{options.dp * options.ep} replicas (--dp x --ep)"
+        if options.grad_accum > 1:
+            parts += f" x {options.grad_accum} accumulated steps"
+        raise ValueError(
+            f"--global-batch {global_batch} does not split into {parts}: use a multiple of "
+            f"{accumulated}"
+        )
+    return global_batch // accumulated
+
+
+def fitting_microbatches(schedule: str, ranks: int, share: int, options: TrainOptions) -> int:
+    """Microbatches for a pipeline that takes ``share`` sequences per step: the schedule's
+    default when it divides them, else the nearest count above it that does, else the largest
+    below it the schedule accepts."""
+    info = schedule_info(schedule)
+    preferred = default_microbatches(schedule, ranks)
+    least = info.min_microbatches(ranks)
+    fitting = [m for m in _divisors(share) if m >= least and info.accepts(ranks, m)]
+    if not fitting:
+        wanted = least * options.grad_accum * options.dp * options.ep
+        given = "--global-batch" if options.global_batch else "the default global batch"
+        raise ValueError(
+            f"{given} gives each pipeline {share} sequences per pipeline step, which do not "
+            f"split into the {least} or more microbatches {info.name} needs on {ranks} ranks: "
+            f"use --global-batch {wanted} or a multiple of it"
+        )
+    above = [m for m in fitting if m >= preferred]
+    return min(above) if above else max(fitting)
+
+
+def _divisors(count: int) -> list[int]:
+    """The divisors of ``count``, ascending."""
+    small = [d for d in range(1, int(count**0.5) + 1) if count % d == 0]
+    return sorted({*small, *(count // d for d in small)})
 
 
 #: fp32 weights, gradients and AdamW's two moments, per parameter of a rank's stages.

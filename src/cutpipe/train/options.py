@@ -34,6 +34,9 @@ DTYPES = ("fp32", "bf16")
 #: data parallelism next to the pipeline (``cutpipe.parallel``)
 DP_MODES = ("allreduce", "zero1", "fsdp")
 BACKENDS = ("gloo", "nccl")
+#: The default global batch, in the model's microbatches: the same on any layout, so the same
+#: command trains the same thing on 2 processes or 8 (the layout only cuts it differently).
+GLOBAL_BATCH_MICROBATCHES = 8
 #: Local processes ``train`` starts at most: more only oversubscribe the machine's cores.
 MAX_PROCESSES = 64
 
@@ -138,9 +141,10 @@ class DataOptions:
         (), "text files, folders or a prepared token file (default: Python's standard library)",
         Text(), metavar="PATH", many=True,
     )  # fmt: skip
-    batch: int | None = option(
-        None, "samples per pipeline step (default: the model's microbatch size x microbatches x "
-        "data-parallel replicas)", Whole(1),
+    global_batch: int | None = option(
+        None, "sequences (samples) per optimizer step, over every replica and accumulated "
+        f"pipeline step (default: {GLOBAL_BATCH_MICROBATCHES} x the model's microbatch size, "
+        "whatever the layout)", Whole(1),
     )  # fmt: skip
 
 
