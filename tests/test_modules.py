@@ -239,3 +239,20 @@ def test_stages_whose_names_clash_are_refused_by_name():
         runner.named_parameters()
     with pytest.raises(ValueError, match=r"name different tensors '0.weight'"):
         runner.state_dict()
+
+
+def test_a_model_built_in_parts_holds_the_whole_models_values():
+    """A pipeline rank builds only its blocks (the rest stay on the meta device, never
+    allocated), and each holds what one process building the whole model holds."""
+    whole = language_model(MOE, seed=5)
+    part = language_model(MOE, seed=5, blocks=["layers.1", "head"])
+    built = {name for name, p in part.named_parameters() if p.device.type != "meta"}
+    assert built and all(n.startswith(("layers.1.", "head.")) for n in built)
+    assert all(p.is_meta for n, p in part.named_parameters() if n not in built)
+    expected = dict(whole.named_parameters())
+    for name, parameter in part.named_parameters():
+        if name in built:
+            assert torch.equal(parameter, expected[name]), name
+    assert not torch.equal(whole.layers[1].mlp.router.weight, whole.layers[2].mlp.router.weight)
+    with pytest.raises(ValueError, match="has no block 'layers.9'"):
+        language_model(MOE, blocks=["layers.9"])

@@ -12,8 +12,9 @@ spreads them over an expert-parallel group; then its dispatch goes through all-t
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -330,14 +331,30 @@ class LanguageModel(nn.Module):
 
     def __init__(self, spec: ModelSpec, routing: RoutingOptions | None = None) -> None:
         super().__init__()
+        self.spec, self.routing = spec, routing
         self.embed = Embedding(spec)
         self.layers = nn.ModuleList(Layer(spec, i, routing) for i in range(spec.layers))
         self.head = Head(spec)
-        if spec.tie_embeddings:  # one parameter, two names (a checkpoint saves it once)
+        self.tie()
+
+    def tie(self) -> None:
+        """A tied head is the embedding's parameter, under two names (saved once)."""
+        if self.spec.tie_embeddings:
             self.head.out.weight = self.embed.table.weight
 
     def blocks(self) -> list[nn.Module]:
         return [self.embed, *self.layers, self.head]
+
+    def block_names(self) -> list[str]:
+        return ["embed", *(f"layers.{i}" for i in range(len(self.layers))), "head"]
+
+    def new_block(self, name: str) -> nn.Module:
+        """A freshly built (and initialised) block ``name`` of this model's sizes."""
+        if name == "embed":
+            return Embedding(self.spec)
+        if name == "head":
+            return Head(self.spec)
+        return Layer(self.spec, int(name.removeprefix("layers.")), self.routing)
 
     def __len__(self) -> int:
         return len(self.layers) + 2
@@ -360,11 +377,40 @@ def language_model(
     spec: ModelSpec,
     seed: int = 0,
     routing: RoutingOptions | None = None,
+    blocks: Collection[str] | None = None,
 ) -> LanguageModel:
     """A ``LanguageModel`` of ``spec``'s sizes, initialised from ``seed``; its MoE layers route
-    as ``routing`` says (``cutpipe.models.router``; the default: plain top-k, nothing dropped)."""
-    torch.manual_seed(seed)
-    return LanguageModel(spec, routing)
+    as ``routing`` says (``cutpipe.models.router``; the default: plain top-k, nothing dropped).
+
+    The model is laid out on the meta device and only ``blocks`` (by name, default all) are
+    built, each from its own seed (``block_seed``): a pipeline rank allocates only the blocks of
+    its stages, and they hold the values the whole model holds, whatever the layout."""
+    with torch.device("meta"):
+        model = LanguageModel(spec, routing)
+    names = model.block_names()
+    unknown = sorted(set(blocks or ()) - set(names))
+    if unknown:
+        raise ValueError(f"{spec.name} has no block {unknown[0]!r}: its blocks are {names}")
+    for name in names:
+        if blocks is None or name in blocks:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(block_seed(seed, name))
+                model.set_submodule(name, model.new_block(name))
+    if spec.tie_embeddings:
+        built = [name for name in ("embed", "head") if blocks is None or name in blocks]
+        if built == ["head"]:
+            raise ValueError(
+                f"{spec.name} ties its head to its embedding: build the embedding with the head"
+            )
+        model.tie()
+    return model
+
+
+def block_seed(seed: int, name: str) -> int:
+    """The seed of block ``name``'s initial values: a digest of the run's seed and the name, so
+    blocks built apart (on different ranks) hold what one process building them all holds."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 class LanguageModelLoss(nn.Module):

@@ -9,7 +9,7 @@ shape on synthetic data, its blocks shared out evenly: a quick look at a schedul
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -59,7 +59,10 @@ class Task(Protocol):
         """Blocks per stage when no plan gives them."""
         ...
 
-    def build(self, seed: int) -> nn.Module: ...
+    def build(self, seed: int, blocks: Collection[int] | None = None) -> nn.Module:
+        """The model from ``seed``, its ``blocks`` (by position; default all) built with the
+        values the whole model holds; a model may leave the others unallocated (meta)."""
+        ...
 
     def loss(self) -> nn.Module: ...
 
@@ -174,10 +177,12 @@ class LanguageModelTask:
         comm = p2p_time(self.spec, hardware, within_node=True)
         return balance(schedule, items, comm, w_memory(self.spec)).sizes
 
-    def build(self, seed: int) -> nn.Module:
+    def build(self, seed: int, blocks: Collection[int] | None = None) -> nn.Module:
         from cutpipe.models.transformer import language_model
 
-        return language_model(self.spec, seed=seed, routing=self.routing)
+        names = ["embed", *(f"layers.{i}" for i in range(self.spec.layers)), "head"]
+        wanted = None if blocks is None else [names[i] for i in blocks]
+        return language_model(self.spec, seed=seed, routing=self.routing, blocks=wanted)
 
     def loss(self) -> nn.Module:
         from cutpipe.models.transformer import LanguageModelLoss
@@ -244,8 +249,8 @@ class RegressionTask:
 
         return even_split(self.spec.blocks, schedule.num_stages, "blocks")
 
-    def build(self, seed: int) -> nn.Module:
-        from cutpipe.models.mlp import mlp
+    def build(self, seed: int, blocks: Collection[int] | None = None) -> nn.Module:
+        from cutpipe.models.mlp import mlp  # small: built whole
 
         return mlp(self.spec.blocks, self.spec.width, seed=seed)
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import os
 import signal
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -142,14 +144,19 @@ class Trainer:
         from cutpipe.train.parallelize import parallelize
 
         options = self.options
-        model = self.task.build(options.seed).to(self.device)
+        held = self.schedule.placement.stages_of(self.mesh.pp_rank)
+        # this rank's blocks only, each with the values the whole model gives it (the rest of
+        # the model stays on the meta device, never allocated)
+        blocks = held_blocks(self.layout.stage_sizes, held)
+        model = self.task.build(options.seed, blocks)
+        for index in blocks:
+            model[index].to(self.device)
         if options.ep > 1:  # this rank's experts only, each under its name in the whole model
             shard_experts(model, self.mesh.ep_group)
         # this rank's stages, under the unsplit model's names
         stages = cut_module(
             model, self.layout.stage_sizes, num_stages=self.schedule.num_stages,
-            held=self.schedule.placement.stages_of(self.mesh.pp_rank),
-            make_stage=self.task.stage_maker(overlap=not options.no_overlap),
+            held=held, make_stage=self.task.stage_maker(overlap=not options.no_overlap),
         )  # fmt: skip
         if options.init_from:  # this rank's tensors only, memory-mapped
             from cutpipe.models.hf import load_hf_weights
@@ -459,6 +466,12 @@ class Trainer:
         if self.parallel is not None:
             self.parallel.close()
         self.runner.close()
+
+
+def held_blocks(stage_sizes: Sequence[int], stages: Iterable[int]) -> list[int]:
+    """The positions of the blocks of ``stages``, cut ``stage_sizes`` blocks per stage."""
+    starts = [0, *itertools.accumulate(stage_sizes)]
+    return [b for stage in sorted(set(stages)) for b in range(starts[stage], starts[stage + 1])]
 
 
 def _squared_error(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
