@@ -22,6 +22,7 @@ from cutpipe.arguments import add_arguments, from_arguments
 from cutpipe.cli.common import description, fmt, require_torch
 
 if TYPE_CHECKING:
+    from cutpipe.train.footprint import Footprint
     from cutpipe.train.options import TrainOptions
 
 
@@ -63,14 +64,16 @@ def run(args: argparse.Namespace) -> int:
     if is_worker():
         return work(options, debug)
     require_torch()
-    check(options)
-    return start(options, args.argv, debug)
+    footprint = check(options)
+    return start(options, args.argv, debug, footprint)
 
 
-def check(options: TrainOptions) -> None:
+def check(options: TrainOptions) -> Footprint | None:
     """Everything that can be checked before any process starts, so that a broken model file,
-    a shape the schedule refuses or a plan for other ranks fails here, once, in one line."""
-    from cutpipe.train.layout import check_host_memory, run_layout, with_plan
+    a shape the schedule refuses, a plan for other ranks or a model this machine cannot hold
+    fails here, once, in one line; the run's memory estimate (CPU runs)."""
+    from cutpipe.train.footprint import check_host_memory
+    from cutpipe.train.layout import run_layout, with_plan
     from cutpipe.train.tasks import LanguageModelTask, task_for
 
     if options.nproc is None:
@@ -78,8 +81,9 @@ def check(options: TrainOptions) -> None:
     options = with_plan(options)
     task = task_for(options)
     layout = run_layout(options, options.nproc * options.nnodes, task)
+    footprint = None
     if options.backend == "gloo" and not options.emulate:
-        check_host_memory(task, layout, options.nproc)
+        footprint = check_host_memory(task, layout, options)
     if options.checkpoint_dir:
         from cutpipe.train.checkpoint.folders import check_directory, start_mode
 
@@ -95,30 +99,60 @@ def check(options: TrainOptions) -> None:
         summary = check_data(options.data, seq_len=task.tokens_per_sample, windows=layout.batch)
         if summary.skipped.total:
             print(summary, flush=True)
+    return footprint
 
 
 class WorkerInputError(ValueError):
     """Bad input that only the workers could find (the CLI's exit status 2)."""
 
 
-def start(options: TrainOptions, argv: list[str], debug: bool = False) -> int:
+def start(
+    options: TrainOptions, argv: list[str], debug: bool = False, footprint: Footprint | None = None
+) -> int:
     """Start the workers (they run this command again) and wait for them; what ended a failed
-    run is one line (bad input found by a worker: a usage error, exit status 2)."""
+    run is one line (bad input found by a worker: a usage error, exit status 2; a worker the
+    kernel's out-of-memory killer ended: said so, with the estimate)."""
     from cutpipe.launch.elastic import Launch, LaunchFailed, run_workers
+    from cutpipe.train.footprint import oom_kills
 
     plan = Launch(
         nproc=options.nproc, nnodes=options.nnodes, rdzv_endpoint=options.rdzv_endpoint,
         rdzv_id=options.rdzv_id, max_restarts=options.max_restarts, timeout=options.timeout,
         debug=debug,
     )  # fmt: skip
+    kills = oom_kills()
     try:
         run_workers(argv, plan)
     except LaunchFailed as failure:
         if failure.cause is not None and failure.cause.is_input_error:
             raise WorkerInputError(str(failure)) from None
-        print(f"cutpipe train: {failure}", file=sys.stderr)
+        said = out_of_memory(failure, kills, oom_kills(), footprint, options) or str(failure)
+        print(f"cutpipe train: {said}", file=sys.stderr)
         return 1
     return 0
+
+
+def out_of_memory(
+    failure: Any, before: int | None, after: int | None, footprint: Footprint | None,
+    options: TrainOptions,
+) -> str | None:  # fmt: skip
+    """The line for a run whose worker the kernel's out-of-memory killer ended (its count of
+    kills went up while a worker died of SIGKILL), or None."""
+    cause = failure.cause
+    if cause is None or cause.kind != "SIGKILL" or before is None or after is None:
+        return None
+    if after <= before:
+        return None
+    line = f"rank {cause.rank} ran out of memory (the kernel's out-of-memory killer ended it)"
+    if footprint is not None:
+        from cutpipe.train.footprint import available_memory
+
+        needed = footprint.on_machine(options.nproc or 1, options.nnodes) / 2**30
+        line += f"; the estimate was {needed:,.2f} GiB for the {options.nproc} processes"
+        available = available_memory()
+        if available is not None:
+            line += f", and {available / 2**30:,.2f} GiB are available now"
+    return line + ": use fewer processes per machine, --recompute full, or a smaller model"
 
 
 def work(options: TrainOptions, debug: bool = False) -> int:

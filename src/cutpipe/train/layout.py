@@ -9,7 +9,6 @@ shape the schedule refuses, fails once, in one line), and every worker works out
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cutpipe.plan.plan_file import PlanFile
@@ -175,44 +174,6 @@ def _divisors(count: int) -> list[int]:
     """The divisors of ``count``, ascending."""
     small = [d for d in range(1, int(count**0.5) + 1) if count % d == 0]
     return sorted({*small, *(count // d for d in small)})
-
-
-#: fp32 weights, gradients and AdamW's two moments, per parameter of a rank's stages.
-STATE_BYTES = 16
-#: Bytes of one fp32 number: every rank builds the whole model in fp32 before cutting it.
-WEIGHT_BYTES = 4
-
-
-def check_host_memory(task: Task, layout: RunLayout, processes: int) -> None:
-    """Refuse, before any process starts, a run whose ``processes`` on this machine would need
-    more memory than it has available (CPU runs: gloo). Each one builds the whole model before
-    it keeps its stages, then holds its stages' weights, gradients and optimizer state."""
-    available = available_memory()
-    if available is None:
-        return
-    parameters = task.num_parameters()
-    per_process = max(WEIGHT_BYTES * parameters, STATE_BYTES * parameters / layout.pipeline_ranks)
-    needed = per_process * processes
-    if needed > available:
-        raise ValueError(
-            f"{task.name} has {parameters / 1e6:,.1f} M parameters: {processes} processes need "
-            f"about {needed / 2**30:,.1f} GiB (each builds the whole model in fp32 before "
-            f"keeping its stages, then {STATE_BYTES} bytes per parameter of its stages), and this "
-            f"machine has {available / 2**30:,.1f} GiB available: use a smaller model, fewer "
-            "processes per machine, or more machines"
-        )
-
-
-def available_memory(meminfo: str = "/proc/meminfo") -> float | None:
-    """Bytes of memory the kernel says are available (None where it does not say)."""
-    try:
-        text = Path(meminfo).read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("MemAvailable:"):
-            return float(line.split()[1]) * 1024
-    return None
 
 
 def _check_plan(plan: PlanFile, path: str, ranks: int, task: Task) -> None:
