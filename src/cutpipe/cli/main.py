@@ -27,6 +27,7 @@ from cutpipe.cli import (
     doctor,
     draw,
     export,
+    generate,
     partition,
     profile,
     recommend,
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (
         simulate, compare, schedule, draw, train, tune, partition, recommend, profile, bench, data,
-        export, doctor,
+        export, generate, doctor,
     ):  # fmt: skip
         module.register(commands)
     for child in _subparsers(parser):

@@ -8,9 +8,11 @@ damaged checkpoint is never exported.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -37,24 +39,35 @@ def model_state(
     """The unsplit model's state dict saved in the checkpoint ``path`` (a step folder, or a
     directory: its latest), verified, then read in this process alone; ``note`` hears what is
     worth reporting (a broken ``latest`` passed over, a checkpoint without checksums)."""
+    return model_and_record(path, note)[0]
+
+
+def model_and_record(
+    path: str | os.PathLike, note: Callable[[str], None] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``model_state``, and the JSON ``extra`` the trainer saved beside it (its ``run`` record
+    says what model was trained on what: ``cutpipe.train.resume``)."""
     folder, notes = choose(path, hint=OLDER_HINT)
     if note is not None:
         for line in notes:
             note(line)
     keys = read_metadata(folder).state_dict_metadata
-    loaded = {
+    loaded: dict[str, Any] = {
         key: torch.empty(entry.size, dtype=entry.properties.dtype)
         for key, entry in keys.items()
         if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
     }
     if not loaded:
         raise ValueError(f"the checkpoint {folder} holds no model tensors (no model.* keys)")
+    if "extra" in keys:
+        loaded["extra"] = None
     try:
         with alone_quietly(True):
             dcp.load(loaded, checkpoint_id=folder, no_dist=True)
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException
         raise CheckpointError(f"cannot read the checkpoint {folder}: {cause(error)}") from None
-    return {key[len("model.") :]: tensor for key, tensor in loaded.items()}
+    extra = json.loads(loaded.pop("extra", None) or "{}")
+    return {key[len("model.") :]: tensor for key, tensor in loaded.items()}, extra
 
 
 def export_checkpoint(
