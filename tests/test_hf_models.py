@@ -126,7 +126,7 @@ def test_pipelined_runs_start_from_the_weights_and_export_for_transformers(tmp_p
     folder = tmp_path / "hf"
     theirs = hf_model("llama", folder, layers=6)  # 8 blocks: a V on 4 ranks
     spec = load_model_config(folder)
-    settings = dict(init_from=str(folder), microbatches=8, batch=8, aux_weight=0.0, quiet=True)
+    settings = dict(init_from=str(folder), microbatches=8, global_batch=8, aux_weight=0.0, quiet=True)
     inputs, targets = next(LanguageModelTask(spec).loader(8, 0))
     with torch.no_grad():
         logits = theirs(inputs).logits
@@ -181,6 +181,6 @@ def test_mixtral_with_expert_parallelism_starts_from_transformers_loss(tmp_path)
         logits = theirs(inputs).logits
     expected = float(LanguageModelLoss(0.0)((logits, torch.zeros(())), targets))
     options = TrainOptions.build(init_from=str(folder), schedule="dualpipev", ep=2, steps=1,
-                                 microbatches=4, batch=8, aux_weight=0.0, quiet=True)  # fmt: skip
+                                 microbatches=4, global_batch=8, aux_weight=0.0, quiet=True)  # fmt: skip
     result = run(workers.train_rank, 4, (options,), timeout=240)[0]
     assert result["losses"][0] == pytest.approx(expected, rel=1e-5)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -115,7 +116,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, l
                               timeout=datetime.timedelta(seconds=60))  # fmt: skip
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
-        results.put((rank, True, value, None))
+        # pickled here, tensors copied in: the queue's own pickler would share their storage
+        # through this process, which may have ended before the launcher reads the result
+        results.put((rank, True, pickle.dumps(value), None))
     except BaseException as error:
         failed = True
         if dist.is_initialized():  # the peers waiting on this rank read it when it is gone
@@ -237,7 +240,7 @@ def _drain(results: Any, reported: dict[int, tuple], wait: float = 0.0) -> None:
             return
         except (EOFError, OSError):
             return
-        reported[rank] = (ok, value, error)
+        reported[rank] = (ok, pickle.loads(value) if ok else value, error)
 
 
 def _supervise(processes: list[Any], results: Any, reported: dict[int, tuple],
