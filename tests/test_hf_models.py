@@ -126,7 +126,9 @@ def test_pipelined_runs_start_from_the_weights_and_export_for_transformers(tmp_p
     folder = tmp_path / "hf"
     theirs = hf_model("llama", folder, layers=6)  # 8 blocks: a V on 4 ranks
     spec = load_model_config(folder)
-    settings = dict(init_from=str(folder), microbatches=8, global_batch=8, aux_weight=0.0, quiet=True)
+    settings = dict(
+        init_from=str(folder), microbatches=8, global_batch=8, aux_weight=0.0, quiet=True
+    )
     inputs, targets = next(LanguageModelTask(spec).loader(8, 0))
     with torch.no_grad():
         logits = theirs(inputs).logits
