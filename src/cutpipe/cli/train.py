@@ -117,10 +117,12 @@ def check(options: TrainOptions) -> None:
     """Everything that can be checked before any process starts, so that a broken model file,
     a shape the schedule refuses or a plan for other ranks fails here, once, in one line."""
     from cutpipe.train.layout import check_host_memory, run_layout, with_plan
+    from cutpipe.train.sinks import require
     from cutpipe.train.tasks import LanguageModelTask, task_for
 
     if options.nproc is None:
         raise ValueError("give the number of processes: --nproc N")
+    require(options)  # --tensorboard, --wandb: their packages
     options = with_plan(options)
     task = task_for(options)
     layout = run_layout(options, options.nproc * options.nnodes, task)

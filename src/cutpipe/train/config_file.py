@@ -165,6 +165,17 @@ def to_toml(options: TrainOptions) -> str:
     return "\n".join(lines) + "\n"
 
 
+def flat_options(options: TrainOptions) -> dict[str, Any]:
+    """Every option that is not None by its name, as ``to_toml`` writes it (W&B's config)."""
+    found = {}
+    for name in option_fields():
+        value = getattr(options, name)
+        if value is not None:
+            value = _text_form(value)
+            found[name] = list(value) if isinstance(value, tuple) else value
+    return found
+
+
 def _text_form(value: Any) -> Any:
     """Values that TOML has no type for, as the text their flag reads."""
     if isinstance(value, Costs):
