@@ -71,11 +71,11 @@ def options_from(args: argparse.Namespace) -> TrainOptions:
     from cutpipe.train.options import TrainOptions
 
     if getattr(args, "config", None):
-        from cutpipe.train.config_file import read_config
+        from cutpipe.train.config_file import overridden, read_config
 
         explicit = given_on_command_line(getattr(args, "argv", []))
         for name, value in read_config(args.config).items():
-            if name not in explicit:
+            if not overridden(name, explicit):
                 setattr(args, name, value)
     if not (args.schedule or args.schedule_file or args.plan):
         raise ValueError(

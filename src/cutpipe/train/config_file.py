@@ -59,7 +59,10 @@ def load(path: str | Path) -> dict[str, Any]:
     except OSError as error:
         raise ValueError(f"--config {path}: {error.strerror}") from None
     if suffix == ".toml":
-        import tomllib
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10: the same reader, as a package
+            import tomli as tomllib
 
         try:
             table = tomllib.loads(text)
@@ -106,7 +109,27 @@ def read_config(path: str | Path) -> dict[str, Any]:
         except (ValueError, TypeError) as error:
             raise ValueError(f"{path}: {key}: {error}") from None
         given_as[name] = key
+    for name in fields:
+        rivals = [other for other in values if other != name and _rivals(name, other)]
+        if name in values and rivals:
+            raise ValueError(
+                f"{path}: {given_as[name]!r} and {given_as[rivals[0]]!r} exclude one another: "
+                "give one"
+            )
     return values
+
+
+def _rivals(name: str, other: str) -> bool:
+    """Whether two options exclude one another (``--schedule``, ``--from``, ``--plan``)."""
+    fields = option_fields()
+    group = fields[name][1].exclusive
+    return group is not None and fields[other][1].exclusive == group
+
+
+def overridden(name: str, given: set[str]) -> bool:
+    """Whether the command line's options ``given`` replace a file's option ``name``: they
+    name it, or an option that excludes it."""
+    return name in given or any(_rivals(name, other) for other in given if other in option_fields())
 
 
 def convert(spec: Option, value: Any) -> Any:
