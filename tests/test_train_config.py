@@ -269,3 +269,17 @@ def test_a_config_file_runs_under_the_launcher_and_torchrun_with_tensorboard(tmp
     assert [(r["step"], r["loss"], r["lr"]) for r in again] == [
         (r["step"], r["loss"], r["lr"]) for r in records
     ]
+
+
+def test_the_progress_line_shows_the_learning_rate():
+    from cutpipe.train.metrics import ProgressLine
+
+    trainer = types.SimpleNamespace(
+        task=types.SimpleNamespace(name="mlp"), schedule=types.SimpleNamespace(name="1F1B"),
+        world=2, step=0,
+    )  # fmt: skip
+    line = ProgressLine(TrainOptions.build(schedule="1f1b", steps=2), trainer, None)
+    line.update(StepRecord(1, 0.5, 2.5e-4, 0.25, 1234.0, 0.1, 0.125, 64))
+    status = line._progress.tasks[0].fields["status"]
+    line.close()
+    assert status == "loss 0.5000  lr 2.50e-04  1,234 tok/s  bubble 12.5%"
