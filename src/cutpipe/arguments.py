@@ -263,8 +263,9 @@ def _title(group: type) -> str:
     return (group.__doc__ or group.__name__).strip().splitlines()[0].rstrip(".")
 
 
-def add_arguments(parser: argparse.ArgumentParser, options: type) -> None:
-    """One argument group per option group of the dataclass ``options``."""
+def add_arguments(parser: argparse.ArgumentParser, options: type, *, required: bool = True) -> None:
+    """One argument group per option group of the dataclass ``options``; ``required=False``
+    leaves ``required_one`` to the caller (when the value may come from elsewhere, a file)."""
     exclusive: dict[str, Any] = {}
     for group_field in dataclasses.fields(options):
         group = group_field.type if isinstance(group_field.type, type) else None
@@ -278,7 +279,7 @@ def add_arguments(parser: argparse.ArgumentParser, options: type) -> None:
             if spec.exclusive is not None:
                 if spec.exclusive not in exclusive:
                     exclusive[spec.exclusive] = arguments.add_mutually_exclusive_group(
-                        required=spec.required_one
+                        required=spec.required_one and required
                     )
                 target = exclusive[spec.exclusive]
             _add(target, field, spec)

@@ -169,7 +169,10 @@ def _draw_metrics(args: argparse.Namespace, output: Path) -> int:
         raise ValueError(
             "--metrics names two files of the same name: each run is named by its file"
         )
-    title = next(iter(runs)) if len(runs) == 1 else ""
+    from cutpipe.viz.curve import run_title
+
+    # titled by what ran, as the log says; an older log's single run by its file
+    title = run_title(runs) or (next(iter(runs)) if len(runs) == 1 else "")
     count = save_loss_curves(runs, output, args.entropy, title)
     if args.json:
         print_json({"written": str(output), "format": output.suffix.lower().lstrip("."),

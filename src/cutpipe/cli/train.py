@@ -27,21 +27,62 @@ if TYPE_CHECKING:
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    from cutpipe.train.options import TrainOptions  # torch-free, as the train layer's options
-
     parser = commands.add_parser(
         "train", help="train a model (a model file, or the example MLP) with a schedule",
         description=description(__doc__),
     )  # fmt: skip
-    add_arguments(parser, TrainOptions)
+    add_train_arguments(parser)
     parser.set_defaults(run=run)
 
 
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a run, and the config file they may come from."""
+    from cutpipe.arguments import ReadableFile
+    from cutpipe.train.options import TrainOptions  # torch-free, as the train layer's options
+
+    add_arguments(parser, TrainOptions, required=False)  # the schedule may be in --config
+    files = parser.add_argument_group("config files")
+    files.add_argument(
+        "--config", type=ReadableFile().argument_type(), metavar="FILE",
+        help="read options from a .toml or .yaml file (keys: the option names, e.g. seq_len or "
+        "seq-len); options given on the command line win",
+    )  # fmt: skip
+    files.add_argument(
+        "--print-config", action="store_true",
+        help="print the resolved options as a TOML file for --config and exit",
+    )  # fmt: skip
+
+
+def given_on_command_line(argv: list[str]) -> set[str]:
+    """The options ``cutpipe train``'s arguments in ``argv`` name (not those at a default)."""
+    from cutpipe.train.config_file import option_fields
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_train_arguments(parser)
+    unset = object()  # what an option not given keeps (argparse fills in only missing ones)
+    start = argparse.Namespace(**dict.fromkeys([*option_fields(), "config", "print_config"], unset))
+    words = argv[argv.index("train") + 1 :] if "train" in argv else argv
+    given, _ = parser.parse_known_args(words, namespace=start)
+    return {name for name, value in vars(given).items() if value is not unset}
+
+
 def options_from(args: argparse.Namespace) -> TrainOptions:
-    """The run the command line asks for; a schedule file's path made absolute (workers may
-    start elsewhere)."""
+    """The run the command line asks for, over a ``--config`` file's options; a schedule
+    file's path made absolute (workers may start elsewhere)."""
     from cutpipe.train.options import TrainOptions
 
+    if getattr(args, "config", None):
+        from cutpipe.train.config_file import overridden, read_config
+
+        explicit = given_on_command_line(getattr(args, "argv", []))
+        for name, value in read_config(args.config).items():
+            if not overridden(name, explicit):
+                setattr(args, name, value)
+    if not (args.schedule or args.schedule_file or args.plan):
+        raise ValueError(
+            "give the schedule: --schedule NAME, --from FILE or --plan FILE (on the command "
+            "line or in --config)"
+        )
     options = from_arguments(TrainOptions, args)
     for name in ("schedule_file", "plan"):
         path = getattr(options, name)
@@ -60,6 +101,11 @@ def run(args: argparse.Namespace) -> int:
     from cutpipe.launch.elastic import is_worker
 
     options = options_from(args)
+    if getattr(args, "print_config", False):
+        from cutpipe.train.config_file import to_toml
+
+        print(to_toml(options), end="", flush=True)
+        return 0
     debug = bool(getattr(args, "debug", False)) or os.environ.get("CUTPIPE_DEBUG") == "1"
     if is_worker():
         return work(options, debug)
@@ -74,10 +120,12 @@ def check(options: TrainOptions) -> Footprint | None:
     fails here, once, in one line; the run's memory estimate (CPU runs)."""
     from cutpipe.train.footprint import check_host_memory
     from cutpipe.train.layout import run_layout, with_plan
+    from cutpipe.train.sinks import require
     from cutpipe.train.tasks import LanguageModelTask, task_for
 
     if options.nproc is None:
         raise ValueError("give the number of processes: --nproc N")
+    require(options)  # --tensorboard, --wandb: their packages
     options = with_plan(options)
     task = task_for(options)
     layout = run_layout(options, options.nproc * options.nnodes, task)

@@ -26,8 +26,10 @@ class MetricsLog:
             self._file = open(path, "a" if append else "w")  # noqa: SIM115 (closed in close())
 
     def write(self, record: Any) -> None:
+        """Write a ``StepRecord`` or its dict."""
         if self._file is not None:
-            self._file.write(json.dumps(record.to_dict()) + "\n")
+            data = record if isinstance(record, dict) else record.to_dict()
+            self._file.write(json.dumps(data) + "\n")
             self._file.flush()
 
     def close(self) -> None:
@@ -74,7 +76,7 @@ class ProgressLine:
         )
 
     def update(self, record: Any) -> None:
-        status = f"loss {record.loss:.4f}  {record.tokens_per_s:,.0f} tok/s"
+        status = f"loss {record.loss:.4f}  lr {record.lr:.2e}  {record.tokens_per_s:,.0f} tok/s"
         if math.isnan(record.loss) and math.isnan(record.grad_norm):  # emulated: time only
             status = f"step {record.step_time * 1e3:.1f} ms"
         if record.expert_load:  # the worst layer's max/mean tokens per expert

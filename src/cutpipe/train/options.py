@@ -236,6 +236,14 @@ class LoggingOptions:
         None, "torch.profiler over steps A..B", Custom(step_range, tuple), metavar="A:B"
     )
     profile_dir: str = option("profile", "where profiler traces go", Text(), metavar="DIR")
+    tensorboard: str | None = option(
+        None, "write each step's numbers (loss, lr, grad norm, throughput, ...) as TensorBoard "
+        "events in this folder (pip install 'cutpipe[logging]')", Text(), metavar="DIR",
+    )  # fmt: skip
+    wandb: str | None = option(
+        None, "log each step's numbers to this Weights & Biases project (pip install wandb; "
+        "WANDB_MODE=offline keeps the run on this machine)", Text(), metavar="PROJECT",
+    )  # fmt: skip
     quiet: bool = option(False, "no progress line")
 
 

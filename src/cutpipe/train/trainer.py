@@ -494,7 +494,8 @@ def _maybe_fault(rank: int, step: int) -> None:
 
 def train(options: TrainOptions) -> dict[str, Any]:
     """Run (or resume) the training run ``options`` describes; rank 0 reports as it goes."""
-    from cutpipe.train.metrics import MetricsLog, Profiler, ProgressLine
+    from cutpipe.train.metrics import Profiler, ProgressLine
+    from cutpipe.train.sinks import describe_run, open_sinks
 
     trainer = Trainer(options)
     rank = trainer.rank
@@ -502,7 +503,7 @@ def train(options: TrainOptions) -> dict[str, Any]:
         print(trainer.describe(), flush=True)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     resumed = trainer.resume(restarted)
-    log = MetricsLog(options.log, append=resumed is not None) if rank == 0 else None
+    log = open_sinks(options, describe_run(trainer), resumed) if rank == 0 else None
     progress = ProgressLine(options, trainer, resumed) if rank == 0 and not options.quiet else None
     profiler = Profiler(options, rank, first_step=trainer.step + 1)
     records: list[StepRecord] = []

@@ -1,8 +1,11 @@
 """Training runs' loss curves, from their metrics logs, as PNG or SVG.
 
 The dashed line is the corpus's unigram entropy: the loss of a model that ignores context, so
-the gap below it is what the model learned from context. One run also shows its tokens/s on a
-second axis; several runs are drawn side by side on the same axes, each named.
+the gap below it is what the model learned from context. The learning rate is drawn on a second
+axis (a log without it, from an older cutpipe: the tokens/s), and a run's median throughput is
+named in its legend; several runs are drawn side by side on the same axes, each named. A log's
+first record says what ran (``run``: model, schedule, learning-rate schedule), which titles the
+picture.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def save_loss_curves(
     runs: Mapping[str, Sequence[dict[str, Any]]], path: str | Path,
     entropy: float | None = None, title: str = "",
 ) -> int:  # fmt: skip
-    """Each run's loss against step (one run: with its tokens/s); the most steps drawn."""
+    """Each run's loss against step, with its learning rate; the most steps drawn."""
     if not runs:
         raise ValueError("no metrics log given: nothing to draw")
     empty = [name for name, records in runs.items() if not records]
@@ -47,7 +50,8 @@ def save_loss_curves(
     axes = figure.add_subplot()
     for (name, records), color in zip(runs.items(), COLORS, strict=False):
         steps = [r["step"] for r in records]
-        axes.plot(steps, [r["loss"] for r in records], color=color, linewidth=1.4, label=name)
+        label = name + _speed(records)
+        axes.plot(steps, [r["loss"] for r in records], color=color, linewidth=1.4, label=label)
     records = next(iter(runs.values()))
     steps = [r["step"] for r in records]
     if entropy is not None:
@@ -56,15 +60,56 @@ def save_loss_curves(
     axes.set_xlabel("step")
     axes.set_ylabel("loss (nats/token)")
     axes.grid(alpha=0.3)
-    if len(runs) == 1 and all("tokens_per_s" in r for r in records):
+    with_lr = {name: rs for name, rs in runs.items() if all(r.get("lr", 0) > 0 for r in rs)}
+    if with_lr:
+        rate = axes.twinx()
+        for (name, records), color in zip(runs.items(), COLORS, strict=False):
+            if name in with_lr:
+                rate.plot([r["step"] for r in records], [r["lr"] for r in records], color=color,
+                          linewidth=0.9, linestyle=":", alpha=0.8)  # fmt: skip
+        rate.set_ylabel("learning rate (dotted)", color="#777777")
+        rate.set_ylim(bottom=0)
+        rate.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    elif len(runs) == 1 and all("tokens_per_s" in r for r in records):
         speed = axes.twinx()
         speed.plot(steps, [r["tokens_per_s"] for r in records], color="#999999", linewidth=0.6,
                    alpha=0.7, label="tokens/s")  # fmt: skip
         speed.set_ylabel("tokens/s", color="#777777")
         speed.set_ylim(bottom=0)
     axes.legend(loc="upper right")
+    title = title or run_title(runs)
     if title:
-        axes.set_title(title)
+        axes.set_title(title, fontsize=10)
     kind = Path(path).suffix.lstrip(".").lower()
     write_with(path, lambda temporary: figure.savefig(temporary, dpi=120, format=kind))
     return max(len(records) for records in runs.values())
+
+
+def run_info(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What ran, as the log's first record of a run says (``run``); empty for older logs."""
+    for record in records:
+        if isinstance(record.get("run"), dict):
+            return record["run"]
+    return {}
+
+
+def run_title(runs: Mapping[str, Sequence[dict[str, Any]]]) -> str:
+    """The model and schedule the runs share, and (one run) its learning-rate schedule."""
+    infos = [run_info(records) for records in runs.values()]
+    first = infos[0]
+    if not first or any(info.get("model") != first.get("model") for info in infos):
+        return ""
+    title = f"{first['model']}"
+    if all(info.get("schedule") == first.get("schedule") for info in infos):
+        title += f", {first['schedule']} on {first.get('ranks', '?')} ranks"
+    if len(infos) == 1 and first.get("lr_schedule"):
+        title += f"\n{first['lr_schedule']}"
+    return title
+
+
+def _speed(records: Sequence[dict[str, Any]]) -> str:
+    """`` (median N tokens/s)`` from a run's steady steps (the first warms up)."""
+    import statistics
+
+    steady = [r["tokens_per_s"] for r in records[1:] or records if "tokens_per_s" in r]
+    return f" (median {statistics.median(steady):,.0f} tokens/s)" if steady else ""
