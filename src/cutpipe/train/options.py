@@ -138,6 +138,11 @@ class DataOptions:
         (), "text files, folders or a prepared token file (default: Python's standard library)",
         Text(), metavar="PATH", many=True,
     )  # fmt: skip
+    tokenizer: str | None = option(
+        None, "a Hugging Face tokenizer.json, or a folder holding one, that text in --data is "
+        "tokenized with and a token file must have been prepared with (default: bytes, or the "
+        "token file's own)", Text(), metavar="PATH",
+    )  # fmt: skip
     batch: int | None = option(
         None, "samples per pipeline step (default: the model's microbatch size x microbatches x "
         "data-parallel replicas)", Whole(1),
