@@ -35,9 +35,11 @@ from cutpipe.data import (  # noqa: E402
     prepare,
     read_header,
     read_tokens,
+    unigram_entropy,
     write_tokens,
 )
 from cutpipe.data import documents as documents_module  # noqa: E402
+from cutpipe.data import entropy as entropy_module  # noqa: E402
 from cutpipe.data import tokenizer as tokenizer_module  # noqa: E402
 
 WORDS = ("pipeline", "schedule", "forward", "backward", "stage", "rank", "bubble", "weight",
@@ -151,7 +153,7 @@ def test_a_folder_of_text_jsonl_and_parquet_is_each_document_then_eos(bpe, tmp_p
     assert (tmp_path / "one.bin").read_bytes() == (tmp_path / "t.bin").read_bytes()
 
 
-def test_the_command_line_prepares_and_describes_a_parquet_file(bpe, tmp_path, capsys):
+def test_the_command_line_prepares_and_describes_a_parquet_file(bpe, tmp_path, capsys, monkeypatch):
     rows = sentences(9, seed=5)
     write_parquet(tmp_path / "rows.parquet", rows)
     code, out, _ = run(capsys, "data", "prepare", str(tmp_path / "rows.parquet"), "--tokenizer",
@@ -169,6 +171,12 @@ def test_the_command_line_prepares_and_describes_a_parquet_file(bpe, tmp_path, c
     assert code == 0
     assert f"tokenizer        {digest}" in out and f"eos              {eos}" in out
     assert "vocab            300 (uint16)" in out
+    # on a terminal a progress bar goes to stderr, and the file is the same
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, _ = run(capsys, "data", "prepare", str(tmp_path / "rows.parquet"), "--tokenizer",
+                       str(bpe.file), "-o", str(tmp_path / "bar.bin"))  # fmt: skip
+    assert code == 0 and out.startswith(f"wrote {tmp_path / 'bar.bin'}: {len(want):,} tokens")
+    assert (tmp_path / "bar.bin").read_bytes() == (tmp_path / "r.bin").read_bytes()
 
 
 def test_a_named_eos_and_a_model_folders_config_choose_the_eos(bpe, tmp_path):
@@ -197,6 +205,10 @@ def test_text_tokenized_in_memory_is_the_token_file(bpe, tmp_path):
     assert (in_memory.fingerprint, in_memory.vocab, in_memory.tokenizer, in_memory.eos) == (
         from_file.fingerprint, 300, from_file.tokenizer, from_file.eos)  # fmt: skip
     summary = check_data([tmp_path / "a.jsonl"], tokenizer=bpe.file, seq_len=8)
+    assert str(summary) == (
+        f"data: {len(from_file):,} tokens of the tokenizer {from_file.tokenizer[:16]} of text "
+        f"from 1 file of {tmp_path / 'a.jsonl'}"
+    )
     assert (summary.tokens, summary.digest, summary.vocab) == (len(from_file),
                                                                from_file.fingerprint, 300)  # fmt: skip
 
@@ -226,7 +238,7 @@ def test_the_dtype_is_the_narrowest_that_holds_the_vocabulary(vocab, dtype):
     assert dtype_for(vocab) == dtype
 
 
-def test_uint32_tokens_round_trip_and_batch_as_int64(tmp_path):
+def test_uint32_tokens_round_trip_and_batch_as_int64(tmp_path, monkeypatch):
     ids = torch.tensor([70_000, 5, 65_536, 1, 99_999, 2, 3, 70_001, 4, 0, 12], dtype=torch.int64)
     raw = ids.to(torch.int32).numpy().tobytes()  # little-endian, as token files are
     digest = "ab" * 32
@@ -241,6 +253,11 @@ def test_uint32_tokens_round_trip_and_batch_as_int64(tmp_path):
     starts = [ids.tolist().index(int(row[0])) for row in inputs]
     assert inputs.tolist() == [ids[s : s + 2].tolist() for s in starts]
     assert targets.tolist() == [ids[s + 1 : s + 3].tolist() for s in starts]
+    # the unigram entropy counts wide tokens a block at a time, blocks merged
+    monkeypatch.setattr(entropy_module, "_BLOCK", 3)
+    counts = torch.bincount(ids).double()
+    shares = counts[counts > 0] / len(ids)
+    assert unigram_entropy(tokens) == pytest.approx(float(-(shares * shares.log()).sum()))
     with pytest.raises(ValueError, match="end-of-sequence id"):
         write_tokens(tmp_path / "u.bin", [raw], 100_000, digest, eos=100_000)
 

@@ -109,6 +109,7 @@ def progress_bar(total: int | None, what: str) -> Iterator[Callable[[int], None]
     if total is None:
         yield None
         return
+    from rich.console import Console
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -122,7 +123,7 @@ def progress_bar(total: int | None, what: str) -> Iterator[Callable[[int], None]
         TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
         TransferSpeedColumn(), TimeRemainingColumn(),
     )  # fmt: skip
-    with Progress(*columns, transient=True) as progress:
+    with Progress(*columns, transient=True, console=Console(stderr=True)) as progress:
         task = progress.add_task(what, total=total)
 
         def advance(count: int) -> None:

@@ -31,8 +31,9 @@ from cutpipe.data.tokens import BYTE_VOCAB, BYTES, DTYPES, check_token_file
 @dataclass(frozen=True)
 class DataSummary:
     """What ``--data`` holds: where it is (``corpus``), a ``"token file"`` or ``"text"``, how
-    many tokens from how many files, their digest (the fingerprint checkpoints carry), and what
-    the walk of text folders skipped."""
+    many tokens from how many files, their digest (the fingerprint checkpoints carry), what
+    the walk of text folders skipped, and the vocabulary and tokenizer (its digest, or
+    ``BYTES``) of the tokens."""
 
     corpus: str
     kind: str
@@ -45,10 +46,14 @@ class DataSummary:
 
     def __str__(self) -> str:
         """One line for the launcher to print."""
+        made = "" if self.tokenizer == BYTES else f" of the tokenizer {self.tokenizer[:16]}"
         if self.kind == "token file":
-            return f"data: {self.corpus}, a token file of {self.tokens:,} tokens (digest checked)"
+            return (
+                f"data: {self.corpus}, a token file of {self.tokens:,} tokens{made} (digest "
+                "checked)"
+            )
         files = f"{self.files:,} file{'s' if self.files != 1 else ''}"
-        line = f"data: {self.tokens:,} tokens of text from {files} of {self.corpus}"
+        line = f"data: {self.tokens:,} tokens{made} of text from {files} of {self.corpus}"
         return line + (f"; skipped {self.skipped}" if self.skipped.total else "")
 
 
