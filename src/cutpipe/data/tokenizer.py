@@ -152,7 +152,9 @@ def _encode(file: str, digest: str, eos: int, dtype: str, documents: list[str]) 
     if loaded != digest:
         raise ValueError(f"{file} changed while the corpus was tokenized: run again")
     ids = array.array(_TYPECODES[DTYPES[dtype][0]])
-    for encoding in tokenizer.encode_batch(documents, add_special_tokens=False):
+    # without the character offsets, which nothing here reads (tokenizers >= 0.20)
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    for encoding in encode(documents, add_special_tokens=False):
         ids.extend(encoding.ids)
         ids.append(eos)
     if sys.byteorder != "little":  # pragma: no cover - token files are little-endian
