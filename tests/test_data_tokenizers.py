@@ -314,7 +314,7 @@ def test_a_missing_library_says_how_to_install_it(capsys, tmp_path, bpe, monkeyp
     monkeypatch.chdir(tmp_path)
     write_parquet(tmp_path / "rows.parquet", ["a"])
     Path("a.txt").write_text("some text")
-    tokenizer_module._loaded.cache_clear()  # loaded before the library went missing
+    tokenizer_module._load.cache_clear()  # loaded before the library went missing
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     for args, what in ((["a.txt", "--tokenizer", str(bpe.file)], "--tokenizer needs the tokenizers"),
@@ -322,7 +322,7 @@ def test_a_missing_library_says_how_to_install_it(capsys, tmp_path, bpe, monkeyp
         code, _out, err = run(capsys, "data", "prepare", *args, "-o", "t.bin")
         assert code == 2 and err.count("\n") == 1 and what in err, err
         assert "pip install 'cutpipe[data]'" in err
-    tokenizer_module._loaded.cache_clear()
+    tokenizer_module._load.cache_clear()
 
 
 # -- training -----------------------------------------------------------------------------------

@@ -9,9 +9,9 @@ same messages.
 
 Without a tokenizer the tokens are the corpus's bytes, documents joined by one NUL byte. With one
 (``tokenizer.TextTokenizer``) every document is encoded and followed by its end-of-sequence
-token, in batches of about ``BATCH_BYTES`` of text (by a pool of worker processes for
-``prepare``), and the ids are written as they come: memory holds a few batches, never the
-corpus's ids.
+token, in batches of about ``BATCH_BYTES`` of text (by several threads for ``prepare``:
+``tokenizer.encode_stream``), and the ids are written as they come: memory holds a few batches,
+never the corpus's ids.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from cutpipe.data.tokens import (
 if TYPE_CHECKING:
     from cutpipe.data.tokenizer import TextTokenizer
 
-#: Text handed to the tokenizer at a time (one task of the pool).
+#: Text handed to the tokenizer at a time (one task of an encoding thread).
 BATCH_BYTES = 2**20
 
 Paths = Sequence["str | os.PathLike[str]"]
@@ -181,7 +181,7 @@ def prepare(
     """Write the tokens of ``paths`` (default: the standard library corpus, capped at
     ``STDLIB_BYTES``) to the token file ``output``; ``max_bytes`` caps any corpus. Bytes by
     default; with ``tokenizer`` its ids, each document followed by its EOS, encoded by
-    ``workers`` processes. ``advance`` is told the bytes read (``TextCorpus``)."""
+    ``workers`` threads. ``advance`` is told the bytes read (``TextCorpus``)."""
     corpus = TextCorpus(paths, max_bytes, text_field, advance)
     try:
         if tokenizer is None:

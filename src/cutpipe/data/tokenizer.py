@@ -132,10 +132,19 @@ def _special_tokens(tokenizer: Any) -> str:
     return ", ".join(t.content for _, t in sorted(decoder.items()) if t.special)
 
 
-@cache
 def _loaded(file: str) -> tuple[Any, str]:
-    """The ``tokenizers.Tokenizer`` of ``file`` and its digest, loaded once per process (and
-    per worker of a pool, whose tasks name the file)."""
+    """The ``tokenizers.Tokenizer`` of ``file`` and its digest, loaded once per process while
+    the file stays as it is (a file rewritten in place is loaded again)."""
+    try:
+        stat = os.stat(file)
+    except OSError as error:
+        raise ValueError(f"cannot read {file}: {error.strerror}") from None
+    return _load(file, stat.st_mtime_ns, stat.st_size)
+
+
+@cache
+def _load(file: str, mtime_ns: int, size: int) -> tuple[Any, str]:
+    """``_loaded``'s work, kept per version of the file."""
     tokenizers = require("tokenizers", "--tokenizer")
     try:
         tokenizer = tokenizers.Tokenizer.from_file(file)
@@ -146,8 +155,8 @@ def _loaded(file: str) -> tuple[Any, str]:
 
 
 def _encode(file: str, digest: str, eos: int, dtype: str, documents: list[str]) -> bytes:
-    """What ``TextTokenizer.encode`` does, as a function a process pool can call: the worker
-    loads ``file`` once and checks it is still the tokenizer of ``digest``."""
+    """What ``TextTokenizer.encode`` does: ``file``'s tokenizer, loaded once, must still be the
+    one of ``digest``."""
     tokenizer, loaded = _loaded(file)
     if loaded != digest:
         raise ValueError(f"{file} changed while the corpus was tokenized: run again")
