@@ -262,6 +262,30 @@ def test_uint32_tokens_round_trip_and_batch_as_int64(tmp_path, monkeypatch):
         write_tokens(tmp_path / "u.bin", [raw], 100_000, digest, eos=100_000)
 
 
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [("eos", "end-of-sequence token is 400, outside its vocabulary of 300"),
+     ("short", "shorter than the 128-byte header of version 2"),
+     ("v1 wide", "version 1 holds bytes (uint8) only"),
+     ("tokens", "damaged: its tokens do not match the digest")],
+)  # fmt: skip
+def test_a_damaged_version_2_file_is_refused(tmp_path, how, message):
+    raw = bytes(range(40))  # 20 uint16 tokens
+    write_tokens(tmp_path / "t.bin", [raw], 300, "cd" * 32, eos=7)
+    data = bytearray((tmp_path / "t.bin").read_bytes())
+    if how == "eos":
+        data[96:100] = (400).to_bytes(4, "little")
+    elif how == "short":
+        data = data[:100]
+    elif how == "v1 wide":
+        data[8:12] = (1).to_bytes(4, "little")
+    else:
+        data[-1] ^= 1
+    (tmp_path / "t.bin").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_tokens(tmp_path / "t.bin")
+
+
 # -- bad input ----------------------------------------------------------------------------------
 
 
