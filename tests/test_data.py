@@ -88,7 +88,7 @@ def corrupt(path: Path, how: str) -> None:
     elif how == "extra bytes":
         raw += b"more"
     elif how == "version":
-        struct.pack_into("<I", raw, 8, 2)
+        struct.pack_into("<I", raw, 8, 3)
     elif how == "dtype":
         raw[12:20] = b"int64\0\0\0"
     elif how == "vocab":
@@ -100,7 +100,7 @@ def corrupt(path: Path, how: str) -> None:
     ("how", "message"),
     [("text", "not a cutpipe token file"), ("empty", "not a cutpipe token file"),
      ("short header", "truncated: 20 bytes"), ("short body", "truncated: its header says 50"),
-     ("extra bytes", "4 bytes after its 50 tokens"), ("version", "version 2 token file"),
+     ("extra bytes", "4 bytes after its 50 tokens"), ("version", "version 3 token file"),
      ("dtype", "dtype 'int64'"), ("vocab", "1000 tokens")],
 )  # fmt: skip
 def test_a_damaged_token_file_is_refused_saying_what_to_do(tmp_path, how, message):

@@ -144,7 +144,10 @@ def check(options: TrainOptions) -> Footprint | None:
         from cutpipe.data import check_data
 
         # the workers read the same: a global batch of windows must be there
-        summary = check_data(options.data, seq_len=task.tokens_per_sample, windows=layout.batch)
+        summary = check_data(
+            options.data, seq_len=task.tokens_per_sample, windows=layout.batch,
+            tokenizer=task.tokenizer, vocab=task.spec.vocab,
+        )  # fmt: skip
         if summary.skipped.total:
             print(summary, flush=True)
     return footprint

@@ -16,9 +16,11 @@ from ``entries``, which never opens such an entry); a file named on the command 
 text file, or it is an error. Names starting with a dot (``.git``, ``.venv``) are skipped quietly
 inside folders, and links to folders are not followed (no loops).
 
-Files are joined with one NUL byte between them (``SEPARATOR``): no text file holds one, so the
-byte-level model sees where a file ends. No imports from the rest of cutpipe but ``entries``, and
-no torch.
+A ``.jsonl`` or ``.parquet`` file holds many documents, one per record (``documents``); a text
+file is one. As bytes, documents are joined with one NUL byte between them (``SEPARATOR``): no
+text file holds one, so the byte-level model sees where a document ends (a tokenizer puts its
+end-of-sequence token after each instead: ``prepare``). No imports from the rest of cutpipe but
+``entries`` and ``documents``, and no torch.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from cutpipe.data.entries import WHAT, Skipped, kind_of, read_text
+from cutpipe.data.documents import Advance, jsonl_documents, parquet_documents, record_kind
+from cutpipe.data.entries import WHAT, Skipped, kind_of, open_regular, read_text
 
 #: Between two files of a corpus: a byte no text file holds.
 SEPARATOR = b"\0"
@@ -126,27 +129,79 @@ def stdlib_sources(folder: Path | None = None) -> list[Source]:
     return list(_walk(root, ".py", STDLIB_SKIPPED))
 
 
-def corpus_chunks(
-    sources: Iterable[Source], max_bytes: int | None = None, skipped: Skipped | None = None
-) -> Iterator[tuple[Source, bytes]]:
-    """The corpus's bytes: each text file, ``SEPARATOR`` between two, cut after ``max_bytes``.
+def _nothing(count: int) -> None:
+    """Progress reported to no one."""
 
-    Yields each file used with its piece (separator first, but for the first file), so a corpus
-    larger than memory can be written as it is read. A file that is not a readable regular text
-    file is skipped and counted in ``skipped``, unless the user named it (an error then).
-    """
+
+def source_documents(
+    source: Source, skipped: Skipped, text_field: str = "text", advance: Advance = _nothing
+) -> Iterator[bytes]:
+    """The documents of one file (``documents``): a text file's whole text, or each record of a
+    ``.jsonl`` or ``.parquet`` file; ``advance`` is told the file's bytes as they are read."""
+    kind = record_kind(source.path)
+    if kind is None:
+        content = read_text(source.path, source.name, source.named, skipped)
+        if content:
+            advance(len(content))
+            yield content
+        return
+    file = open_regular(source.path, source.name, source.named, skipped)
+    if file is None:
+        return
+    with file:
+        if kind == "jsonl":
+            yield from jsonl_documents(file, source.name, text_field, advance)
+        else:
+            size = os.fstat(file.fileno()).st_size
+            yield from parquet_documents(file, source.name, text_field, advance, size)
+
+
+def corpus_documents(
+    sources: Iterable[Source],
+    max_bytes: int | None = None,
+    skipped: Skipped | None = None,
+    text_field: str = "text",
+    advance: Advance = _nothing,
+) -> Iterator[tuple[Source, bytes]]:
+    """Every document of ``sources`` in order with its file, the last one cut where the
+    documents reach ``max_bytes`` in all (``corpus_chunks`` for what is skipped or refused)."""
     if max_bytes is not None and max_bytes < 1:
         raise ValueError(f"the size cap must be at least 1 byte, got {max_bytes}")
     skipped = Skipped() if skipped is None else skipped
     left = max_bytes
-    first = True
     for source in sources:
+        for document in source_documents(source, skipped, text_field, advance):
+            if left is not None:
+                if left <= 0:
+                    return
+                document = document[:left]
+                left -= len(document)
+            yield source, document
+
+
+def corpus_chunks(
+    sources: Iterable[Source],
+    max_bytes: int | None = None,
+    skipped: Skipped | None = None,
+    text_field: str = "text",
+    advance: Advance = _nothing,
+) -> Iterator[tuple[Source, bytes]]:
+    """The corpus's bytes: each document (a text file, or a record of a ``.jsonl`` or
+    ``.parquet`` file), ``SEPARATOR`` between two, cut after ``max_bytes``.
+
+    Yields each document with its file and piece (separator first, but for the first
+    document), so a corpus larger than memory can be written as it is read. A file that is not a
+    readable regular text file is skipped and counted in ``skipped``, unless the user named it
+    (an error then).
+    """
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"the size cap must be at least 1 byte, got {max_bytes}")
+    left = max_bytes
+    first = True
+    for source, document in corpus_documents(sources, None, skipped, text_field, advance):
         if left is not None and left <= 0:
             return
-        content = read_text(source.path, source.name, source.named, skipped)
-        if not content:
-            continue
-        piece = content if first else SEPARATOR + content
+        piece = document if first else SEPARATOR + document
         first = False
         if left is not None:
             piece = piece[:left]

@@ -17,6 +17,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 #: Bytes read to tell a binary file (a NUL byte among them) before reading the rest.
 FIRST_BLOCK = 64 * 2**10
@@ -95,10 +96,9 @@ class Skipped:
         return ", ".join(parts) or "nothing"
 
 
-def read_text(path: Path, name: str, named: bool, skipped: Skipped) -> bytes | None:
-    """The bytes of the text file at ``path``, or None where it is left out (counted in
-    ``skipped``): not a regular file, unreadable, or binary. Where the user ``named`` the file
-    itself, leaving it out is a ValueError naming it (``name``) instead."""
+def open_regular(path: Path, name: str, named: bool, skipped: Skipped) -> BinaryIO | None:
+    """``path`` opened for reading if it is a readable regular file (looked at before it is
+    opened, and again once open), else None, counted in ``skipped`` (or, ``named``, an error)."""
     try:
         kind = kind_of(os.stat(path).st_mode)
     except OSError as error:  # a broken link, or removed since the walk
@@ -109,11 +109,27 @@ def read_text(path: Path, name: str, named: bool, skipped: Skipped) -> bytes | N
         descriptor = os.open(path, _OPEN_FLAGS)
     except OSError as error:
         return _left_out(name, named, skipped, "unreadable", error)
-    with open(descriptor, "rb") as file:
+    file = open(descriptor, "rb")  # noqa: SIM115 - the caller closes it
+    try:
+        kind = kind_of(os.fstat(descriptor).st_mode)
+    except OSError as error:
+        file.close()
+        return _left_out(name, named, skipped, "unreadable", error)
+    if kind is not None:  # swapped for a pipe or a device since the stat above
+        file.close()
+        return _left_out(name, named, skipped, kind)
+    return file
+
+
+def read_text(path: Path, name: str, named: bool, skipped: Skipped) -> bytes | None:
+    """The bytes of the text file at ``path``, or None where it is left out (counted in
+    ``skipped``): not a regular file, unreadable, or binary. Where the user ``named`` the file
+    itself, leaving it out is a ValueError naming it (``name``) instead."""
+    file = open_regular(path, name, named, skipped)
+    if file is None:
+        return None
+    with file:
         try:
-            kind = kind_of(os.fstat(descriptor).st_mode)
-            if kind is not None:  # swapped for a pipe or a device since the stat above
-                return _left_out(name, named, skipped, kind)
             first = file.read(FIRST_BLOCK)
             if _NUL in first:
                 return _left_out(name, named, skipped, "binary")

@@ -11,6 +11,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+#: Tokens widened to int64 at a time to count them.
+_BLOCK = 2**22
+
 if TYPE_CHECKING:
     import torch
 
@@ -34,9 +37,20 @@ def unigram_entropy(tokens: torch.Tensor | Tokens | bytes) -> float:
         raise ValueError("the entropy of no tokens is undefined: give at least one token")
     if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
         raise ValueError(f"tokens must be integers, got {values.dtype}")
-    if values.dtype != torch.uint8 and int(values.min()) < 0:
-        raise ValueError("tokens must be >= 0: a token is an index into the vocabulary")
-    counts = torch.bincount(values if values.dtype == torch.uint8 else values.long())
+    if values.dtype == torch.uint8:
+        counts = torch.bincount(values)
+    else:  # widened a block at a time: a uint16 corpus as int64 would take four times its size
+        counts = torch.zeros(0, dtype=torch.int64)
+        for start in range(0, values.numel(), _BLOCK):
+            block = values[start : start + _BLOCK].long()
+            if int(block.min()) < 0:
+                raise ValueError("tokens must be >= 0: a token is an index into the vocabulary")
+            found = torch.bincount(block)
+            if found.numel() > counts.numel():
+                found[: counts.numel()] += counts
+                counts = found
+            else:
+                counts[: found.numel()] += found
     shares = counts[counts > 0].double() / values.numel()
     return max(0.0, float(-(shares * shares.log()).sum()))
 

@@ -1,21 +1,23 @@
 """Token files: a corpus's tokens on disk behind a header that says what they are.
 
-A token file is a 64-byte header, then the tokens as one raw array. The header (little-endian):
+A token file is a header, then the tokens as one raw little-endian array. The header
+(little-endian):
 
-- bytes 0-7: the magic ``CPTOKENS``; 8-11: the format version (uint32, now 1);
-- 12-19: the array's dtype, ASCII padded with NULs (``uint8``);
+- bytes 0-7: the magic ``CPTOKENS``; 8-11: the format version (uint32, 1 or 2);
+- 12-19: the array's dtype, ASCII padded with NULs (``uint8``, ``uint16``, ``uint32``);
 - 20-27: the number of tokens (uint64); 28-31: the vocabulary size (uint32);
-- 32-63: the SHA-256 of the token array.
+- 32-63: the SHA-256 of the token array;
+- version 2 only: 64-95: the SHA-256 of the tokenizer (``tokenizer.TextTokenizer.digest``);
+  96-99: the id of its end-of-sequence token (uint32); 100-127: zeros.
 
-The header is 64 bytes so the array stays aligned for a wider dtype, should one come. The digest
-is of the tokens, not of file names: the same corpus in another folder has the same digest, and it
-is the fingerprint a loader's checkpoint carries (``loader.py``), so resuming on other data fails.
-
-Tokens are bytes (vocabulary 256, token = byte), not a BPE vocabulary from the ``tokenizers``
-package: bytes need no dependency and no trained vocabulary to ship beside the token file and keep
-in step with it, never meet an unknown symbol, and keep the embedding at 256 rows. The price,
-sequences three to four times longer for the same text, weighs little when the point is to train
-a transformer under pipeline schedules rather than to build the best language model.
+Version 1 (64 bytes) holds byte tokens (uint8, vocabulary 256, token = byte): its tokenizer is
+``"bytes"`` and its documents are separated by a NUL byte, not an EOS token. ``cutpipe data
+prepare`` still writes it without ``--tokenizer``, so a byte corpus keeps the file and digest it
+had. Version 2 (128 bytes) holds a Hugging Face tokenizer's ids in the narrowest dtype that holds
+its vocabulary, and names the tokenizer, so training with another one is refused. Both headers
+keep the array aligned for its dtype. The digest is of the tokens, not of file names: the same
+corpus in another folder has the same digest, and it is the fingerprint a loader's checkpoint
+carries (``loader.py``), so resuming on other data fails.
 
 Reading maps the file (``torch.from_file``, private mapping) instead of copying it, so a large
 corpus costs no memory until read, and processes on one machine share its pages. Before that,
@@ -44,13 +46,19 @@ if TYPE_CHECKING:
     import torch
 
 MAGIC = b"CPTOKENS"
-VERSION = 1
+#: The newest version, written for a tokenizer's ids; byte tokens are still written as version 1.
+VERSION = 2
 #: Byte-level tokens: one per byte value.
 BYTE_VOCAB = 256
+#: What the tokenizer of byte tokens (every version 1 file) is called where a digest would be.
+BYTES = "bytes"
 _LAYOUT = struct.Struct("<8sI8sQI32s")
+_EXTRA = struct.Struct("<32sI28x")  # version 2: the tokenizer's digest, the EOS id
+#: The size of a version 1 header (version 2's: ``HEADER_SIZES``).
 HEADER_SIZE = _LAYOUT.size
+HEADER_SIZES = {1: HEADER_SIZE, 2: HEADER_SIZE + _EXTRA.size}
 #: dtype name -> (bytes per token, largest vocabulary it holds).
-DTYPES = {"uint8": (1, 256)}
+DTYPES = {"uint8": (1, 2**8), "uint16": (2, 2**16), "uint32": (4, 2**32)}
 _PREPARE_AGAIN = "prepare it again with `cutpipe data prepare`"
 #: Bytes hashed at a time when a token file's digest is checked.
 _HASH_BLOCK = 2**20
@@ -62,27 +70,39 @@ class EmptyCorpus(ValueError):
 
 @dataclass(frozen=True)
 class Header:
-    """What a token file says about its tokens; ``digest`` is the hex SHA-256 of the array."""
+    """What a token file says about its tokens; ``digest`` is the hex SHA-256 of the array,
+    ``tokenizer`` the hex SHA-256 of the tokenizer (``BYTES`` for byte tokens, version 1) and
+    ``eos`` its end-of-sequence id (None for bytes)."""
 
     count: int
     vocab: int = BYTE_VOCAB
     digest: str = ""
     dtype: str = "uint8"
-    version: int = VERSION
+    version: int = 1
+    tokenizer: str = BYTES
+    eos: int | None = None
 
     @property
     def itemsize(self) -> int:
         return DTYPES[self.dtype][0]
 
     @property
+    def size(self) -> int:
+        """The header's own size: where the tokens start."""
+        return HEADER_SIZES[self.version]
+
+    @property
     def file_size(self) -> int:
-        return HEADER_SIZE + self.count * self.itemsize
+        return self.size + self.count * self.itemsize
 
     def pack(self) -> bytes:
-        return _LAYOUT.pack(
+        raw = _LAYOUT.pack(
             MAGIC, self.version, self.dtype.encode("ascii"), self.count, self.vocab,
             bytes.fromhex(self.digest),
         )  # fmt: skip
+        if self.version == 1:
+            return raw
+        return raw + _EXTRA.pack(bytes.fromhex(self.tokenizer), self.eos)
 
     @classmethod
     def unpack(cls, raw: bytes, name: str) -> Header:
@@ -98,10 +118,15 @@ class Header:
                 f"header; {_PREPARE_AGAIN}"
             )
         _, version, dtype, count, vocab, digest = _LAYOUT.unpack_from(raw)
-        if version != VERSION:
+        if version not in HEADER_SIZES:
             raise ValueError(
-                f"{name} is a version {version} token file; this cutpipe reads version "
-                f"{VERSION}: {_PREPARE_AGAIN}"
+                f"{name} is a version {version} token file; this cutpipe reads versions "
+                f"{' and '.join(map(str, HEADER_SIZES))}: {_PREPARE_AGAIN}"
+            )
+        if len(raw) < HEADER_SIZES[version]:
+            raise ValueError(
+                f"{name} is truncated: {len(raw)} bytes, shorter than the "
+                f"{HEADER_SIZES[version]}-byte header of version {version}; {_PREPARE_AGAIN}"
             )
         name_of_dtype = dtype.rstrip(b"\0").decode("ascii", "replace")
         if name_of_dtype not in DTYPES:
@@ -116,7 +141,20 @@ class Header:
             )
         if count == 0:
             raise ValueError(f"{name} holds no tokens: prepare it again from text that holds some")
-        return cls(count, vocab, digest.hex(), name_of_dtype, version)
+        if version == 1:
+            if name_of_dtype != "uint8":
+                raise ValueError(
+                    f"{name} is a version 1 token file of {name_of_dtype}: version 1 holds bytes "
+                    f"(uint8) only; the file is damaged; {_PREPARE_AGAIN}"
+                )
+            return cls(count, vocab, digest.hex(), name_of_dtype, version)
+        tokenizer, eos = _EXTRA.unpack_from(raw, HEADER_SIZE)
+        if eos >= vocab:
+            raise ValueError(
+                f"{name} says its end-of-sequence token is {eos}, outside its vocabulary of "
+                f"{vocab}: the file is damaged; {_PREPARE_AGAIN}"
+            )
+        return cls(count, vocab, digest.hex(), name_of_dtype, version, tokenizer.hex(), eos)
 
 
 def read_header(path: str | os.PathLike) -> Header:
@@ -125,10 +163,10 @@ def read_header(path: str | os.PathLike) -> Header:
     if not _is_regular(path):
         raise ValueError(f"{path} {describe(path)}: give a token file from `cutpipe data prepare`")
     with path.open("rb") as file:
-        header = Header.unpack(file.read(HEADER_SIZE), str(path))
+        header = Header.unpack(file.read(max(HEADER_SIZES.values())), str(path))
     size = path.stat().st_size
     if size < header.file_size:
-        held = (size - HEADER_SIZE) // header.itemsize
+        held = (size - header.size) // header.itemsize
         raise ValueError(
             f"{path} is truncated: its header says {header.count:,} tokens, it holds {held:,}; "
             f"{_PREPARE_AGAIN}"
@@ -148,7 +186,7 @@ def check_token_file(path: str | os.PathLike) -> Header:
     digest = hashlib.sha256()
     left = header.count * header.itemsize
     with Path(path).open("rb") as file:
-        file.seek(HEADER_SIZE)
+        file.seek(header.size)
         while left > 0:
             block = file.read(min(_HASH_BLOCK, left))
             if not block:
@@ -174,26 +212,54 @@ def _is_regular(path: Path) -> bool:
         return False
 
 
-def write_tokens(
-    path: str | os.PathLike, chunks: Iterable[bytes], vocab: int = BYTE_VOCAB
-) -> Header:
-    """Write byte tokens (``chunks``, in order) to a token file at ``path``; return its header.
+def dtype_for(vocab: int) -> str:
+    """The narrowest dtype whose values hold every token of a ``vocab``-token vocabulary."""
+    for name, (_, most) in DTYPES.items():
+        if 1 <= vocab <= most:
+            return name
+    raise ValueError(f"a vocabulary of {vocab:,} tokens does not fit in uint32: give 1 to 2**32")
 
+
+def write_tokens(
+    path: str | os.PathLike,
+    chunks: Iterable[bytes],
+    vocab: int = BYTE_VOCAB,
+    tokenizer: str = BYTES,
+    eos: int | None = None,
+) -> Header:
+    """Write tokens (``chunks``, in order) to a token file at ``path``; return its header.
+
+    With ``tokenizer`` ``BYTES`` the chunks are byte tokens and the file is of version 1; with a
+    tokenizer's hex digest they are its ids, packed little-endian in ``dtype_for(vocab)``
+    (``tokenizer.pack``), with ``eos`` its end-of-sequence id, and the file is of version 2.
     Streams: the chunks are written as they come, the header last. An empty corpus is refused.
     """
-    if not 1 <= vocab <= BYTE_VOCAB:
-        raise ValueError(f"byte tokens need a vocabulary of 1 to {BYTE_VOCAB}, got {vocab}")
+    if tokenizer == BYTES:
+        if not 1 <= vocab <= BYTE_VOCAB:
+            raise ValueError(f"byte tokens need a vocabulary of 1 to {BYTE_VOCAB}, got {vocab}")
+        if eos is not None:
+            raise ValueError("byte tokens have no end-of-sequence id: give eos=None")
+        version, dtype = 1, "uint8"
+    else:
+        if len(tokenizer) != 64 or not all(c in "0123456789abcdef" for c in tokenizer):
+            raise ValueError(f"a tokenizer is named by its hex SHA-256, got {tokenizer!r}")
+        if eos is None or not 0 <= eos < vocab:
+            raise ValueError(f"the end-of-sequence id must be in 0..{vocab - 1}, got {eos!r}")
+        version, dtype = 2, dtype_for(vocab)
+    itemsize = DTYPES[dtype][0]
     digest = hashlib.sha256()
-    count = 0
+    size = 0
     with replacing(path) as temporary, temporary.open("wb") as file:
-        file.write(bytes(HEADER_SIZE))
+        file.write(bytes(HEADER_SIZES[version]))
         for chunk in chunks:
             file.write(chunk)
             digest.update(chunk)
-            count += len(chunk)
-        if count == 0:
+            size += len(chunk)
+        if size == 0:
             raise EmptyCorpus(f"no tokens to write to {path}: the corpus is empty")
-        header = Header(count, vocab, digest.hexdigest())
+        if size % itemsize:
+            raise ValueError(f"the chunks hold {size} bytes, not whole {dtype} tokens")
+        header = Header(size // itemsize, vocab, digest.hexdigest(), dtype, version, tokenizer, eos)
         file.seek(0)
         file.write(header.pack())
     return header
@@ -219,30 +285,40 @@ def digest_of(values: torch.Tensor) -> str:
 class Tokens:
     """A 1-D tensor of tokens with its vocabulary and a fingerprint naming exactly these tokens
     (a token file's digest, or one derived from it for a part), which checkpoints carry;
-    ``source`` says where they were read, for messages about them."""
+    ``source`` says where they were read, for messages about them; ``tokenizer`` and ``eos``
+    what made them (``BYTES`` and None for byte tokens)."""
 
     values: torch.Tensor
     vocab: int
     fingerprint: str
     source: str = "the tokens"
+    tokenizer: str = BYTES
+    eos: int | None = None
 
     def __len__(self) -> int:
         return self.values.numel()
 
     @classmethod
     def from_tensor(
-        cls, values: torch.Tensor, vocab: int = BYTE_VOCAB, source: str = "the tokens"
+        cls,
+        values: torch.Tensor,
+        vocab: int = BYTE_VOCAB,
+        source: str = "the tokens",
+        tokenizer: str = BYTES,
+        eos: int | None = None,
     ) -> Tokens:
-        """Tokens held in memory (e.g. in tests); the fingerprint hashes all of them."""
+        """Tokens held in memory (e.g. in tests); the fingerprint hashes all of them, so it is
+        the digest a token file of the same tokens (in the same dtype) holds."""
         import torch
 
-        if values.dim() != 1 or values.dtype != torch.uint8:
+        dtypes = (torch.uint8, torch.uint16, torch.uint32)
+        if values.dim() != 1 or values.dtype not in dtypes:
             raise ValueError(
-                f"tokens must be a 1-D uint8 tensor, got {values.dim()}-D {values.dtype}: "
-                "use torch.frombuffer(bytearray(text), dtype=torch.uint8)"
+                f"tokens must be a 1-D uint8, uint16 or uint32 tensor, got {values.dim()}-D "
+                f"{values.dtype}: use torch.frombuffer(bytearray(text), dtype=torch.uint8)"
             )
         values = values.contiguous().cpu()
-        return cls(values, vocab, digest_of(values), source)
+        return cls(values, vocab, digest_of(values), source, tokenizer, eos)
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray, source: str = "the tokens") -> Tokens:
@@ -270,7 +346,9 @@ class Tokens:
     def _part(self, start: int, stop: int, which: str) -> Tokens:
         name = f"{self.fingerprint}[{start}:{stop}]".encode()
         fingerprint = hashlib.sha256(name).hexdigest()
-        return Tokens(self.values[start:stop], self.vocab, fingerprint, f"{self.source} ({which})")
+        source = f"{self.source} ({which})"
+        values = self.values[start:stop]
+        return Tokens(values, self.vocab, fingerprint, source, self.tokenizer, self.eos)
 
 
 def is_token_file(path: str | os.PathLike) -> bool:
@@ -293,10 +371,10 @@ def read_tokens(path: str | os.PathLike, verify: bool = True) -> Tokens:
 
     header = check_token_file(path) if verify else read_header(path)
     whole = torch.from_file(str(path), shared=False, size=header.file_size, dtype=torch.uint8)
-    values = whole[HEADER_SIZE:]
-    if whole[:HEADER_SIZE].tolist() != list(header.pack()):
+    if whole[: header.size].tolist() != list(header.pack()):
         raise ValueError(f"{path} changed while it was read: read it again")
-    return Tokens(values, header.vocab, header.digest, str(path))
+    values = whole[header.size :].view(getattr(torch, header.dtype))  # the header keeps alignment
+    return Tokens(values, header.vocab, header.digest, str(path), header.tokenizer, header.eos)
 
 
 def check_digest(path: str | os.PathLike, tokens: Tokens) -> None:

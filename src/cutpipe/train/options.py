@@ -141,6 +141,11 @@ class DataOptions:
         (), "text files, folders or a prepared token file (default: Python's standard library)",
         Text(), metavar="PATH", many=True,
     )  # fmt: skip
+    tokenizer: str | None = option(
+        None, "a Hugging Face tokenizer.json, or a folder holding one, that text in --data is "
+        "tokenized with and a token file must have been prepared with (default: bytes, or the "
+        "token file's own)", Text(), metavar="PATH",
+    )  # fmt: skip
     global_batch: int | None = option(
         None, "sequences (samples) per optimizer step, over every replica and accumulated "
         f"pipeline step (default: {GLOBAL_BATCH_MICROBATCHES} x the model's microbatch size, "

@@ -95,10 +95,10 @@ def task_for(options: TrainOptions) -> Task:
     if options.init_from:
         _check_weights(spec, options.init_from, options.seq_len)
     if isinstance(spec, MlpSpec):
-        if options.data:
+        if options.data or options.tokenizer:
             raise ValueError(
-                f"--model {options.model} is the example MLP on synthetic data: drop --data, or "
-                "train a language model (--model FILE)"
+                f"--model {options.model} is the example MLP on synthetic data: drop --data and "
+                "--tokenizer, or train a language model (--model FILE)"
             )
         return RegressionTask(spec)
     steering = options.routing_bias_rate > 0 or options.capacity_factor is not None
@@ -108,7 +108,9 @@ def task_for(options: TrainOptions) -> Task:
             "no experts: drop them"
         )
     routing = RoutingOptions(options.capacity_factor, bias=options.routing_bias_rate > 0)
-    return LanguageModelTask(spec, options.data, options.aux_weight, routing)
+    return LanguageModelTask(
+        spec, options.data, options.aux_weight, routing, tokenizer=options.tokenizer
+    )
 
 
 def _check_weights(spec: ModelSpec | MlpSpec, folder: str, seq_len: int | None) -> None:
@@ -143,6 +145,7 @@ class LanguageModelTask:
     data: tuple[str, ...] = ()
     aux_weight: float = 0.01
     routing: RoutingOptions | None = None  # an MoE's capacity and balancing bias
+    tokenizer: str | None = None  # --tokenizer: a tokenizer.json, or a folder holding one
     loss_words = "nats/token"
 
     def __post_init__(self) -> None:
@@ -151,6 +154,8 @@ class LanguageModelTask:
         self.microbatch_size = self.spec.microbatch_size
         self.tokens_per_sample = self.spec.seq_len
         self._entropy: float | None = None
+        #: the digest of the tokenizer the data was made by (``BYTES`` for bytes), once loaded
+        self.data_tokenizer: str | None = None
 
     def num_blocks(self) -> int:
         return self.spec.layers + 2  # the embedding, the layers, the head
@@ -215,9 +220,11 @@ class LanguageModelTask:
         return make
 
     def loader(self, batch: int, seed: int) -> Loader:
-        from cutpipe.data import TokenLoader, load_tokens, unigram_entropy
+        from cutpipe.data import TokenLoader, check_vocab, load_tokens, unigram_entropy
 
-        tokens = load_tokens(self.data)
+        tokens = load_tokens(self.data, tokenizer=self.tokenizer)
+        check_vocab(self.spec.vocab, tokens.vocab, tokens.tokenizer, tokens.source)
+        self.data_tokenizer = tokens.tokenizer
         self._entropy = unigram_entropy(tokens)
         return TokenLoader(tokens, self.spec.seq_len, batch, seed=seed)
 
