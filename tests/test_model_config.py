@@ -109,9 +109,11 @@ def test_a_qwen_moe_config_counts_its_shared_expert_in_expert_sizes():
 
 def test_a_small_config_builds_a_model_that_runs(tmp_path):
     small = {**DEEPSEEK, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "intermediate_size": 48, "moe_intermediate_size": 16,
+             "num_key_value_heads": 4, "intermediate_size": 48, "moe_intermediate_size": 16,
              "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
-             "vocab_size": 64}  # fmt: skip
+             "vocab_size": 64, "n_group": 2, "topk_group": 1, "kv_lora_rank": 16,
+             "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+             "v_head_dim": 8}  # fmt: skip
     spec = load_model_config(write(tmp_path, small), max_seq_len=8)
     model = language_model(spec)
     assert model.layers[0].mlp.up.out_features == 48  # the dense layer
