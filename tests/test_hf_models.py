@@ -290,3 +290,30 @@ def test_mixtral_with_expert_parallelism_starts_from_transformers_loss(tmp_path)
                                  microbatches=4, batch=8, aux_weight=0.0, quiet=True)  # fmt: skip
     result = run(workers.train_rank, 4, (options,), timeout=240)[0]
     assert result["losses"][0] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.timeout(400)
+def test_deepseek_pipelined_and_expert_parallel_start_from_transformers_loss(tmp_path):
+    """DeepSeek-V3 (latent attention, a dense layer, shared experts, grouped sigmoid routing with
+    its correction bias): DualPipeV on 2 ranks, and PP 2 x EP 2 on 4 (the shared experts
+    replicated, the routed ones sharded) take their first step from ``transformers``' loss."""
+    import train_workers as workers
+
+    from cutpipe.launch import run
+    from cutpipe.models import LanguageModelLoss
+    from cutpipe.train.options import TrainOptions
+    from cutpipe.train.tasks import LanguageModelTask
+
+    folder = tmp_path / "hf"
+    theirs = hf_model("deepseek_v3", folder)
+    spec = load_model_config(folder)
+    inputs, targets = next(LanguageModelTask(spec).loader(8, 0))
+    with torch.no_grad():
+        logits = theirs(inputs).logits
+    expected = float(LanguageModelLoss(0.0)((logits, torch.zeros(())), targets))
+    settings = dict(init_from=str(folder), schedule="dualpipev", steps=1, microbatches=4, batch=8,
+                    aux_weight=0.0, quiet=True)  # fmt: skip
+    for ranks, ep in ((2, 1), (4, 2)):
+        options = TrainOptions.build(ep=ep, **settings)
+        result = run(workers.train_rank, ranks, (options,), timeout=240)[0]
+        assert result["losses"][0] == pytest.approx(expected, rel=1e-5), (ranks, ep)
