@@ -16,7 +16,12 @@ recognised by its keys and read as JSON only: no network, no weights. The keys r
   Qwen's spellings, which must agree where several are given): ``experts``;
 - ``num_experts_per_tok``: ``top_k``; ``moe_intermediate_size``: ``ffn`` (per routed expert);
 - ``n_shared_experts``: ``shared_experts``; ``shared_expert_intermediate_size`` (Qwen): as many
-  shared experts as that size holds routed experts' sizes;
+  shared experts as that size holds routed experts' sizes, behind Qwen2-MoE's gate;
+- the routing of DeepSeek's and Qwen's MoE families (``_routing``): ``norm_topk_prob``,
+  ``routed_scaling_factor``, ``scoring_func``, ``topk_method``, ``n_group``, ``topk_group``;
+- DeepSeek's multi-head latent attention (``_latent``): ``q_lora_rank``, ``kv_lora_rank``,
+  ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``qk_head_dim`` (checked),
+  ``rope_interleave``;
 - ``first_k_dense_replace``, or ``mlp_only_layers`` listing the first k layers: ``dense_layers``;
 - ``moe_layer_freq`` and ``decoder_sparse_step``: checked, they must be 1 (every layer past the
   dense ones is an MoE);
@@ -26,13 +31,13 @@ recognised by its keys and read as JSON only: no network, no weights. The keys r
   ``model_type``, as Qwen3's query/key norms do); ``partial_rotary_factor`` (must be 1) and
   ``sliding_window`` (must not be shorter than the sequence).
 
-Keys that do not change the layers cutpipe builds are ignored: names and versions, dtypes,
-initialisation, dropouts, token ids, caching, router details (scoring, groups, scaling,
-auxiliary loss coefficients), and a few that cutpipe approximates for the mixture-of-experts
-families: DeepSeek's latent attention (``q_lora_rank``, ``kv_lora_rank``, ``qk_*_head_dim``,
-``v_head_dim``: full heads, as examples/models/deepseek-v3-like.yaml) and its multi-token
-prediction layers (not built). Any other key is an error that names it, as is a pair of keys
-that contradict each other, so that a file is never silently misread.
+A key a config leaves out (or sets to null) reads as ``transformers`` reads it for the config's
+``model_type`` (``FAMILY_DEFAULTS``). Keys that do not change the layers cutpipe builds are
+ignored: names and versions, dtypes, initialisation, dropouts, token ids, caching, auxiliary
+loss coefficients, the routing keys of families whose ``transformers`` code does not read them,
+and DeepSeek's multi-token prediction layers (which ``transformers`` does not build either).
+Any other key is an error that names it, as is a pair of keys that contradict each other, so
+that a file is never silently misread.
 """
 
 from __future__ import annotations
