@@ -194,6 +194,11 @@ class ModelSpec:
                     f"router_groups {groups} must divide the {self.experts} experts and "
                     f"router_top_groups {top} be 1 to router_groups"
                 )
+            elif self.router_scoring == "sigmoid" and self.experts < 2 * groups:
+                problems.append(
+                    f"router_groups {groups}: sigmoid scoring ranks a group by its two best "
+                    f"experts, so each group needs 2 of the {self.experts}"
+                )
             elif self.top_k > top * (self.experts // groups):
                 problems.append(
                     f"top_k {self.top_k} is more than the {top * (self.experts // groups)} "
