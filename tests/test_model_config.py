@@ -109,9 +109,11 @@ def test_a_qwen_moe_config_counts_its_shared_expert_in_expert_sizes():
 
 def test_a_small_config_builds_a_model_that_runs(tmp_path):
     small = {**DEEPSEEK, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "intermediate_size": 48, "moe_intermediate_size": 16,
+             "num_key_value_heads": 4, "intermediate_size": 48, "moe_intermediate_size": 16,
              "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
-             "vocab_size": 64}  # fmt: skip
+             "vocab_size": 64, "n_group": 2, "topk_group": 1, "kv_lora_rank": 16,
+             "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+             "v_head_dim": 8}  # fmt: skip
     spec = load_model_config(write(tmp_path, small), max_seq_len=8)
     model = language_model(spec)
     assert model.layers[0].mlp.up.out_features == 48  # the dense layer
@@ -228,3 +230,25 @@ def test_a_sequence_length_replaces_the_files_and_is_checked(tmp_path):
     for bad in (0, True, 2.5):
         with pytest.raises(ValueError, match=f"seq_len must be a whole number >= 1, got {bad}"):
             load_model_config(write(tmp_path, LLAMA), seq_len=bad)
+
+
+@pytest.mark.parametrize(
+    ("fields", "refusal"),
+    [
+        ({"router_scoring": "x"}, "router_scoring must be one of softmax, sigmoid, got 'x'"),
+        ({"router_scale": 0}, "router_scale must be a number > 0, got 0"),
+        ({"router_groups": 3, "router_top_groups": 1}, "router_groups 3 must divide the 4"),
+        ({"router_groups": 2, "router_top_groups": 1, "top_k": 3},
+         "top_k 3 is more than the 2 experts of the router_top_groups 1 groups"),
+        ({"router_scoring": "sigmoid", "router_groups": 4, "router_top_groups": 2},
+         "sigmoid scoring ranks a group by its two best experts"),
+        ({"kv_lora_rank": 8}, r"latent attention \(kv_lora_rank\) also needs qk_rope_head_dim"),
+        ({"kv_lora_rank": 8, "qk_rope_head_dim": 4, "v_head_dim": 4, "kv_heads": 1},
+         "latent attention has as many key/value heads as heads, got 1"),
+    ],
+)  # fmt: skip
+def test_routing_and_latent_attention_fields_are_checked(fields, refusal):
+    base = dict(name="m", layers=2, hidden=8, heads=2, ffn=8, vocab=8, seq_len=8, experts=4,
+                top_k=2)  # fmt: skip
+    with pytest.raises(ValueError, match=refusal):
+        ModelSpec(**{**base, **fields})

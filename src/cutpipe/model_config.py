@@ -16,7 +16,12 @@ recognised by its keys and read as JSON only: no network, no weights. The keys r
   Qwen's spellings, which must agree where several are given): ``experts``;
 - ``num_experts_per_tok``: ``top_k``; ``moe_intermediate_size``: ``ffn`` (per routed expert);
 - ``n_shared_experts``: ``shared_experts``; ``shared_expert_intermediate_size`` (Qwen): as many
-  shared experts as that size holds routed experts' sizes;
+  shared experts as that size holds routed experts' sizes, behind Qwen2-MoE's gate;
+- the routing of DeepSeek's and Qwen's MoE families (``_routing``): ``norm_topk_prob``,
+  ``routed_scaling_factor``, ``scoring_func``, ``topk_method``, ``n_group``, ``topk_group``;
+- DeepSeek's multi-head latent attention (``_latent``): ``q_lora_rank``, ``kv_lora_rank``,
+  ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``qk_head_dim`` (checked),
+  ``rope_interleave``;
 - ``first_k_dense_replace``, or ``mlp_only_layers`` listing the first k layers: ``dense_layers``;
 - ``moe_layer_freq`` and ``decoder_sparse_step``: checked, they must be 1 (every layer past the
   dense ones is an MoE);
@@ -26,13 +31,13 @@ recognised by its keys and read as JSON only: no network, no weights. The keys r
   ``model_type``, as Qwen3's query/key norms do); ``partial_rotary_factor`` (must be 1) and
   ``sliding_window`` (must not be shorter than the sequence).
 
-Keys that do not change the layers cutpipe builds are ignored: names and versions, dtypes,
-initialisation, dropouts, token ids, caching, router details (scoring, groups, scaling,
-auxiliary loss coefficients), and a few that cutpipe approximates for the mixture-of-experts
-families: DeepSeek's latent attention (``q_lora_rank``, ``kv_lora_rank``, ``qk_*_head_dim``,
-``v_head_dim``: full heads, as examples/models/deepseek-v3-like.yaml) and its multi-token
-prediction layers (not built). Any other key is an error that names it, as is a pair of keys
-that contradict each other, so that a file is never silently misread.
+A key a config leaves out (or sets to null) reads as ``transformers`` reads it for the config's
+``model_type`` (``FAMILY_DEFAULTS``). Keys that do not change the layers cutpipe builds are
+ignored: names and versions, dtypes, initialisation, dropouts, token ids, caching, auxiliary
+loss coefficients, the routing keys of families whose ``transformers`` code does not read them,
+and DeepSeek's multi-token prediction layers (which ``transformers`` does not build either).
+Any other key is an error that names it, as is a pair of keys that contradict each other, so
+that a file is never silently misread.
 """
 
 from __future__ import annotations
@@ -50,6 +55,27 @@ HF_MARKERS = frozenset(
     {"hidden_size", "num_hidden_layers", "num_attention_heads", "model_type", "architectures"}
 )
 EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts")
+#: How the DeepSeek and Qwen MoE families route (``_routing``).
+ROUTER_KEYS = (
+    "norm_topk_prob", "routed_scaling_factor", "scoring_func", "topk_method", "n_group",
+    "topk_group",
+)  # fmt: skip
+#: Multi-head latent attention's sizes (DeepSeek-V2/V3, ``_latent``).
+LATENT_KEYS = (
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "qk_head_dim", "rope_interleave",
+)  # fmt: skip
+#: What ``transformers`` assumes for a family's key that a config leaves out.
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {"norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8,
+                    "topk_group": 4, "rope_interleave": True},
+    "deepseek_v2": {"routed_scaling_factor": 1.0, "topk_method": "greedy"},
+    "qwen2_moe": {"norm_topk_prob": False, "qkv_bias": True},
+    "qwen3_moe": {"norm_topk_prob": False},
+}  # fmt: skip
+#: The families whose routing and attention the keys above describe.
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 READ = frozenset(
     {
         "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -59,6 +85,7 @@ READ = frozenset(
         "moe_layer_freq", "decoder_sparse_step", "rms_norm_eps", "tie_word_embeddings",
         "attention_bias", "mlp_bias", "hidden_act", "rope_theta", "rope_scaling",
         "rope_parameters", "partial_rotary_factor", "sliding_window", "use_sliding_window",
+        "qkv_bias", *ROUTER_KEYS, *LATENT_KEYS,
     }
 )  # fmt: skip
 IGNORED = frozenset(
@@ -67,11 +94,9 @@ IGNORED = frozenset(
         "torch_dtype", "dtype", "quantization_config", "initializer_range",
         "layer_norm_eps", "layer_norm_epsilon", "use_cache",
         "pretraining_tp", "max_window_layers", "layer_types",
-        "norm_topk_prob", "routed_scaling_factor", "scoring_func", "topk_method", "n_group",
-        "topk_group", "aux_loss_alpha", "seq_aux", "ep_size", "output_router_logits",
+        "aux_loss_alpha", "seq_aux", "ep_size", "output_router_logits",
         "router_aux_loss_coef", "router_jitter_noise", "router_z_loss_coef",
-        "num_nextn_predict_layers", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-        "qk_rope_head_dim", "v_head_dim", "qkv_bias", "is_decoder",
+        "num_nextn_predict_layers", "is_decoder",
     }
 )  # fmt: skip
 IGNORED_PREFIXES = ("rope_",)
@@ -230,10 +255,15 @@ def spec_from_hf_config(
 
 
 class _Reader:
-    """Typed access to a config's keys, with errors that name the file and the key."""
+    """Typed access to a config's keys, with errors that name the file and the key; a key left
+    out (or null) reads as ``transformers`` reads it for the config's family."""
 
     def __init__(self, config: Mapping[str, Any], source: str) -> None:
-        self.config, self.source = config, source
+        self.source = source
+        family = config.get("model_type", "llama")
+        given = {key: value for key, value in config.items() if value is not None}
+        self.config = {**FAMILY_DEFAULTS.get(family, {}), **given}
+        self.family = family
 
     def count(self, key: str, low: int = 1) -> int | None:
         """The key's whole number, or None where it is absent or null."""
@@ -295,10 +325,91 @@ def _sizes(read: _Reader, max_seq_len: int | None, seq_len: int | None) -> dict[
     if kv_heads is not None and kv_heads != heads:
         sizes["kv_heads"] = kv_heads
     head_dim = read.count("head_dim")
-    if head_dim is not None and head_dim * heads != hidden:
-        sizes["head_dim"] = head_dim
+    latent = _latent(read, heads)
+    if head_dim is not None and head_dim * heads != hidden and not latent:
+        sizes["head_dim"] = head_dim  # (DeepSeek's is the rotated part of its latent attention)
     sizes.update(_experts(read, sizes["layers"]))
     sizes.update(_architecture(read, sizes["seq_len"]))
+    if sizes.get("experts"):
+        sizes.update(_routing(read))
+        if read.family == "qwen2_moe" and sizes["shared_experts"]:
+            sizes["shared_expert_gate"] = True  # sigmoid(shared_expert_gate(x)) weighs them
+        if sizes["mlp_bias"]:
+            raise read.fail("mlp_bias with experts: cutpipe builds experts without biases")
+    sizes.update(latent)
+    return sizes
+
+
+def _routing(read: _Reader) -> dict[str, Any]:
+    """How the MoE routes, as ``transformers`` routes the config's family: DeepSeek-V3 by
+    sigmoid scores within groups, scaled; DeepSeek-V2 by softmax, greedy or within groups,
+    scaled, never normalised; Qwen's MoE by softmax, normalised if ``norm_topk_prob``; others
+    (Mixtral) by softmax, normalised."""
+    family = read.family
+    if family not in (*DEEPSEEK, *QWEN_MOE):
+        return {}
+    fields_: dict[str, Any] = {"router_norm": read.flag("norm_topk_prob", False)}
+    if family in QWEN_MOE:
+        return fields_
+    scoring = "sigmoid" if family == "deepseek_v3" else "softmax"
+    read.choice("scoring_func", scoring, (scoring,))
+    fields_.update(router_scoring=scoring, router_scale=read.number("routed_scaling_factor", 1.0))
+    if family == "deepseek_v2" and fields_["router_norm"]:
+        raise read.fail(
+            "norm_topk_prob true: transformers' DeepSeek-V2 does not normalise the chosen "
+            "experts' weights, so this config means two things; set it false"
+        )
+    grouped = family == "deepseek_v3"
+    if family == "deepseek_v3":
+        read.choice("topk_method", "noaux_tc", ("noaux_tc",))
+    else:
+        method = read.choice("topk_method", "greedy", ("greedy", "group_limited_greedy"))
+        grouped = method == "group_limited_greedy"
+    if grouped:
+        groups, top = read.need("n_group"), read.need("topk_group")
+        if (groups, top) != (1, 1):  # one group of all the experts chooses as no group
+            fields_.update(router_groups=groups, router_top_groups=top)
+    return fields_
+
+
+def _latent(read: _Reader, heads: int) -> dict[str, Any]:
+    """Multi-head latent attention's sizes (DeepSeek-V2/V3) where ``kv_lora_rank`` is given."""
+    if read.count("kv_lora_rank") is None:
+        return {}
+    if read.family not in DEEPSEEK:
+        raise read.fail(
+            f"kv_lora_rank: latent attention is read for {' and '.join(DEEPSEEK)} (model_type), "
+            f"not {read.family!r}"
+        )
+    sizes = {
+        "q_lora_rank": read.count("q_lora_rank") or 0,
+        "kv_lora_rank": read.need("kv_lora_rank"),
+        "qk_nope_head_dim": read.count("qk_nope_head_dim", low=0) or 0,
+        "qk_rope_head_dim": read.need("qk_rope_head_dim"),
+        "v_head_dim": read.need("v_head_dim"),
+        "rope_interleave": read.flag("rope_interleave", True),
+    }
+    query = sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]
+    if read.count("qk_head_dim") not in (None, query):
+        raise read.fail(
+            f"qk_head_dim {read.config['qk_head_dim']} is not qk_nope_head_dim + "
+            f"qk_rope_head_dim ({query})"
+        )
+    if read.family == "deepseek_v2" and not sizes["rope_interleave"]:
+        raise read.fail("rope_interleave false: transformers' DeepSeek-V2 always interleaves")
+    kv_heads = read.count("num_key_value_heads")
+    if kv_heads not in (None, heads):
+        raise read.fail(
+            f"num_key_value_heads {kv_heads}: latent attention gives every one of the {heads} "
+            "heads its own keys and values"
+        )
+    rope = read.config.get("rope_parameters") or read.config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, Mapping) else ""
+    if isinstance(rope, Mapping) and rope.get("mscale_all_dim") and kind not in ("default", "yarn"):
+        raise read.fail(
+            f"mscale_all_dim with rope_type {kind!r}: cutpipe does not scale latent attention's "
+            "softmax"
+        )
     return sizes
 
 
@@ -320,7 +431,7 @@ def _architecture(read: _Reader, seq_len: int) -> dict[str, Any]:
         "qk_norm": family in QK_NORM_FAMILIES,
     }
     if family in QKV_BIAS_FAMILIES:
-        fields_["qkv_bias"] = True
+        fields_["qkv_bias"] = read.flag("qkv_bias", True)
     else:
         fields_["qkv_bias"] = fields_["o_bias"] = read.flag("attention_bias", False)
     partial = read.number("partial_rotary_factor", 1.0)

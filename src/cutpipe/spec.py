@@ -21,6 +21,10 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 #: the model builds ``BUILT_ROPE_TYPES`` and refuses the others by name.
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 BUILT_ROPE_TYPES = ("default", "linear", "llama3")
+#: How an MoE's router scores its experts before the top k.
+ROUTER_SCORINGS = ("softmax", "sigmoid")
+#: Multi-head latent attention's sizes (``ModelSpec``).
+MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 #: The MLP activations cutpipe builds (Hugging Face's ``hidden_act`` names).
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 
@@ -62,13 +66,31 @@ class ModelSpec:
     tie_embeddings: bool = False  # the head's weight is the embedding's
     activation: str = "silu"  # of the gated MLP's gate (of the plain MLP: gelu, if "silu")
     norm_eps: float = 1e-6
+    # how an MoE routes and what its shared experts add (docs/models.md): Mixtral's softmax
+    # top-k renormalised by default; DeepSeek-V3's sigmoid with groups and a scale; Qwen's gate
+    router_scoring: str = "softmax"  # or "sigmoid" (DeepSeek-V3: with a correction bias)
+    router_norm: bool = True  # the chosen experts' weights divided by their sum
+    router_scale: float = 1.0  # the routed experts' output multiplied by it
+    router_groups: int = 0  # experts in this many groups; the top router_top_groups kept
+    router_top_groups: int = 0
+    shared_expert_gate: bool = False  # the shared experts' output times sigmoid(a linear map)
+    # multi-head latent attention (DeepSeek-V2/V3) when kv_lora_rank > 0: queries (through a
+    # rank q_lora_rank bottleneck where > 0), keys and values from a shared latent
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotate pairs (x0, x1), (x2, x3)... (DeepSeek), not halves
 
     #: Fields a run's record leaves out at their defaults, so that checkpoints written before
     #: they existed still compare as the same model (``cutpipe.train.resume``).
     RECORDED_IF_SET = (
         "head_dim", "rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor",
         "rope_high_freq_factor", "rope_original_positions", "qkv_bias", "o_bias", "mlp_bias",
-        "qk_norm", "tie_embeddings", "activation", "norm_eps",
+        "qk_norm", "tie_embeddings", "activation", "norm_eps", "router_scoring", "router_norm",
+        "router_scale", "router_groups", "router_top_groups", "shared_expert_gate", "q_lora_rank",
+        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -93,7 +115,8 @@ class ModelSpec:
         ):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("experts", "shared_experts", "dense_layers", "dense_ffn", "kv_heads"):
+        for name in ("experts", "shared_experts", "dense_layers", "dense_ffn", "kv_heads",
+                     *MLA_SIZES, "router_groups", "router_top_groups"):  # fmt: skip
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.layers > MAX_LAYERS:
@@ -145,15 +168,66 @@ class ModelSpec:
                 "rope_type llama3 needs rope_original_positions >= 1 and rope_high_freq_factor "
                 "above rope_low_freq_factor"
             )
-        if self.rope_theta and self.attention_head_dim % 2:
-            problems.append(
-                f"rotary embeddings need an even head_dim, got {self.attention_head_dim}"
-            )
+        if self.rope_theta and self.rotary_dim % 2:
+            problems.append(f"rotary embeddings need an even head_dim, got {self.rotary_dim}")
+        problems += self._router_problems() + self._latent_problems()
         if self.activation not in ACTIVATIONS:
             problems.append(
                 f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}"
             )
         return problems
+
+    def _router_problems(self) -> list[str]:
+        problems = []
+        if self.router_scoring not in ROUTER_SCORINGS:
+            problems.append(
+                f"router_scoring must be one of {', '.join(ROUTER_SCORINGS)}, "
+                f"got {self.router_scoring!r}"
+            )
+        scale = self.router_scale
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
+            problems.append(f"router_scale must be a number > 0, got {scale!r}")
+        groups, top = self.router_groups, self.router_top_groups
+        if groups or top:
+            if not groups or not 1 <= top <= groups or self.experts % groups:
+                problems.append(
+                    f"router_groups {groups} must divide the {self.experts} experts and "
+                    f"router_top_groups {top} be 1 to router_groups"
+                )
+            elif self.router_scoring == "sigmoid" and self.experts < 2 * groups:
+                problems.append(
+                    f"router_groups {groups}: sigmoid scoring ranks a group by its two best "
+                    f"experts, so each group needs 2 of the {self.experts}"
+                )
+            elif self.top_k > top * (self.experts // groups):
+                problems.append(
+                    f"top_k {self.top_k} is more than the {top * (self.experts // groups)} "
+                    f"experts of the router_top_groups {top} groups"
+                )
+        return problems
+
+    def _latent_problems(self) -> list[str]:
+        """Multi-head latent attention's sizes: all given (but ``q_lora_rank``) or none."""
+        given = [name for name in MLA_SIZES if getattr(self, name)]
+        if not given:
+            return []
+        needed = ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
+        missing = [name for name in needed if not getattr(self, name)]
+        if missing:
+            return [f"latent attention ({', '.join(given)}) also needs {', '.join(missing)}"]
+        if self.kv_heads and self.kv_heads != self.heads:
+            return [f"latent attention has as many key/value heads as heads, got {self.kv_heads}"]
+        return []
+
+    @property
+    def latent_attention(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3) rather than grouped heads."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each query/key head's dimensions rotate."""
+        return self.qk_rope_head_dim if self.latent_attention else self.attention_head_dim
 
     @property
     def attention_head_dim(self) -> int:

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from cutpipe.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,66 @@ class RoutingOptions:
             )
         if not isinstance(self.bias, bool):
             raise ValueError(f"bias must be True or False, got {self.bias!r}")
+
+
+@dataclass(frozen=True)
+class RouterScoring:
+    """How a router turns its logits into chosen experts and their weights, as the model's
+    family defines it (``ModelSpec.router_*``; the defaults: Mixtral's softmax top-k,
+    renormalised).
+
+    ``function``: "softmax" over the experts, or "sigmoid" of each (DeepSeek-V3).
+    ``groups``/``top_groups``: the experts fall in ``groups`` equal groups and only the best
+    ``top_groups`` groups are chosen from, a group scored by its two best (bias included) under
+    sigmoid scoring (DeepSeek-V3), by its best under softmax (DeepSeek-V2).
+    ``normalise``: the chosen weights divided by their sum; ``scale`` then multiplies them.
+    """
+
+    function: str = "softmax"
+    normalise: bool = True
+    scale: float = 1.0
+    groups: int = 0
+    top_groups: int = 0
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> RouterScoring:
+        return cls(
+            spec.router_scoring, spec.router_norm, spec.router_scale, spec.router_groups,
+            spec.router_top_groups,
+        )  # fmt: skip
+
+    def scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each expert's score, the scores as a distribution over the experts: what the
+        load-balancing loss weighs)."""
+        if self.function == "sigmoid":
+            scores = logits.sigmoid()
+            return scores, scores / scores.sum(-1, keepdim=True)
+        scores = logits.softmax(-1)
+        return scores, scores
+
+    def choose(self, scores: torch.Tensor, bias: torch.Tensor | None, k: int) -> torch.Tensor:
+        """The ``k`` experts of each token (``[tokens, k]``), by score plus ``bias``."""
+        choice = scores.detach() if bias is None else scores.detach() + bias
+        if self.groups:
+            tokens, experts = choice.shape
+            grouped = choice.view(tokens, self.groups, experts // self.groups)
+            if self.function == "sigmoid":
+                group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            else:
+                group_scores = grouped.amax(-1)
+            best = group_scores.topk(self.top_groups, dim=-1).indices
+            kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            kept = kept.repeat_interleave(experts // self.groups, dim=1)
+            choice = choice.masked_fill(~kept, float("-inf"))
+        return choice.topk(k, dim=-1).indices
+
+    def weights(self, chosen_scores: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' weights from their scores."""
+        weights = chosen_scores
+        if self.normalise:
+            total = weights.sum(-1, keepdim=True)
+            weights = weights / (total + 1e-20 if self.function == "sigmoid" else total)
+        return weights * self.scale if self.scale != 1.0 else weights
 
 
 def capacity(factor: float | None, tokens: int, top_k: int, experts: int) -> int | None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cutpipe.models.router import (
+    RouterScoring,
     RoutingOptions,
     RoutingTally,
     capacity,
@@ -60,7 +61,7 @@ class Rotary(nn.Module):
                 f"transformer (it builds {', '.join(BUILT_ROPE_TYPES)}): the planner prices the "
                 "model, but it cannot be trained here yet"
             )
-        dim = spec.attention_head_dim
+        dim = spec.rotary_dim
         inv_freq = 1.0 / (
             spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
         )
@@ -94,6 +95,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     first, second = x.chunk(2, dim=-1)
     turned = torch.cat((-second, first), dim=-1)
     return x * cos.to(x.dtype) + turned * sin.to(x.dtype)
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's rotation of the pairs ``(x0, x1), (x2, x3), ...``, each by one frequency; the
+    rotated evens then the rotated odds come out (as ``transformers`` lays them out: queries
+    and keys alike, so their products are those of the pairs)."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half].to(x.dtype), sin[..., :half].to(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
 
 
 class Attention(nn.Module):
@@ -166,7 +177,14 @@ class MoE(nn.Module):
 
     ``routing`` (``cutpipe.models.router.RoutingOptions``) may cap each expert's choices per
     microbatch and add a per-expert bias that steers the top-k choice. Every training forward
-    adds what it routed to ``tally`` (read by ``cutpipe.parallel.routing``).
+    adds what it routed to ``tally`` (read by ``cutpipe.parallel.routing``). ``scoring``
+    (``cutpipe.models.router.RouterScoring``) is the family's own routing: softmax or sigmoid
+    scores, groups, normalised and scaled weights; sigmoid scoring always holds the bias
+    (DeepSeek-V3's ``e_score_correction_bias``, which its weights carry).
+
+    The ``shared`` experts, which every token passes through, are one MLP of their summed width
+    (as the Hugging Face families build them; the sum of several is that one), optionally
+    weighed by ``sigmoid(shared_gate(x))`` (Qwen2-MoE).
     """
 
     def __init__(
@@ -178,20 +196,25 @@ class MoE(nn.Module):
         shared: int = 0,
         gated: bool = True,
         routing: RoutingOptions | None = None,
+        scoring: RouterScoring | None = None,
+        shared_gate: bool = False,
     ) -> None:
         super().__init__()
         if top_k > experts:
             raise ValueError(f"top_k {top_k} is more than the {experts} experts")
         routing = routing or RoutingOptions()
+        self.scoring = scoring or RouterScoring()
         self.top_k = top_k
         self.num_experts = experts  # routed experts in the whole model, local or not
         self.capacity_factor = routing.capacity_factor
         self.expert_parallel = None  # set by shard_experts: experts live on an EP group
         self.router = nn.Linear(hidden, experts, bias=False)
         self.experts = nn.ModuleList(MLP(hidden, ffn, gated) for _ in range(experts))
-        self.shared = nn.ModuleList(MLP(hidden, ffn, gated) for _ in range(shared))
+        self.shared = nn.ModuleList([MLP(hidden, shared * ffn, gated)] if shared else [])
+        self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared and shared_gate else None
         # DeepSeek-V3's balancing bias, moved by cutpipe.parallel.routing.update_routing_bias
-        self.register_buffer("routing_bias", torch.zeros(experts) if routing.bias else None)
+        biased = routing.bias or self.scoring.function == "sigmoid"
+        self.register_buffer("routing_bias", torch.zeros(experts) if biased else None)
         self.bias_load: torch.Tensor | None = None  # choices per expert since the bias moved
         self.tally = RoutingTally()
         self._counting = True  # off while activation recompute reruns the forward
@@ -214,22 +237,18 @@ class MoE(nn.Module):
         """(expert of each token's choices, their weights, the load-balancing loss).
 
         The routing bias, if any, decides which experts are chosen; the weights are the
-        unbiased probabilities. A choice over its expert's capacity is dropped: its expert is
-        ``num_experts`` (none) and its weight 0. The loss and the tally count the choices
-        before any is dropped.
+        unbiased scores (normalised and scaled as ``scoring`` says). A choice over its expert's
+        capacity is dropped: its expert is ``num_experts`` (none) and its weight 0. The loss and
+        the tally count the choices before any is dropped.
         """
-        probabilities = self.router(tokens).softmax(-1)
-        if self.routing_bias is None:
-            weights, chosen = probabilities.topk(self.top_k, dim=-1)
-        else:
-            chosen = (probabilities.detach() + self.routing_bias).topk(self.top_k, dim=-1)[1]
-            weights = probabilities.gather(-1, chosen)
-        scores = weights
-        weights = weights / weights.sum(-1, keepdim=True)
+        scores, affinity = self.scoring.scores(self.router(tokens))
+        chosen = self.scoring.choose(scores, self.routing_bias, self.top_k)
+        weights = self.scoring.weights(scores.gather(-1, chosen))
+        scores = scores.gather(-1, chosen)  # what a capacity keeps the best of
         count = self.num_experts
         routed = choices_per_expert(chosen, count)
         load = routed.float() / (tokens.shape[0] * self.top_k)
-        balance = count * (load * probabilities.mean(0)).sum()
+        balance = count * (load * affinity.mean(0)).sum()
         dropped = None
         limit = self.capacity(tokens.shape[0])
         if limit is not None:
@@ -261,9 +280,19 @@ class MoE(nn.Module):
             out = self.expert_parallel.forward(
                 self.experts, tokens, chosen, weights, self.capacity(tokens.shape[0])
             )
-        for expert in self.shared:
-            out = out + expert(tokens)
+        shared = self.shared_forward(tokens)
+        if shared is not None:
+            out = out + shared
         return out.view_as(x), balance
+
+    def shared_forward(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """What the shared experts add to ``tokens``' output (None: there are none)."""
+        if not self.shared:
+            return None
+        out = self.shared[0](tokens)
+        if self.shared_gate is not None:
+            out = torch.sigmoid(self.shared_gate(tokens)) * out
+        return out
 
 
 class Layer(nn.Module):
@@ -278,11 +307,16 @@ class Layer(nn.Module):
         super().__init__()
         self.attention_norm = RMSNorm(spec.hidden, spec.norm_eps)
         self.mlp_norm = RMSNorm(spec.hidden, spec.norm_eps)
-        self.attention = Attention(spec)
+        if spec.latent_attention:
+            from cutpipe.models.latent_attention import LatentAttention  # it builds on this module
+
+            self.attention: nn.Module = LatentAttention(spec)
+        else:
+            self.attention = Attention(spec)
         if spec.moe and index >= spec.dense_layers:
             self.mlp: nn.Module = MoE(
                 spec.hidden, spec.ffn, spec.experts, spec.top_k, spec.shared_experts,
-                spec.gated_mlp, routing,
+                spec.gated_mlp, routing, RouterScoring.of(spec), spec.shared_expert_gate,
             )  # fmt: skip
         else:
             self.mlp = MLP(

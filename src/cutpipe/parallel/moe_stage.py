@@ -81,8 +81,9 @@ def _expert_parallel(key: int, layer: Layer, moe: MoE, parallel: ExpertParallel)
         returned: torch.Tensor,
     ) -> Value:
         out = parallel.combine(returned, weights, context[key])
-        for expert in moe.shared:
-            out = out + expert(tokens)
+        shared = moe.shared_forward(tokens)
+        if shared is not None:
+            out = out + shared
         return h + out.view_as(h), aux
 
     counted = moe.capacity_factor is not None

@@ -188,6 +188,45 @@ def _collective(size: float, ranks: int, bandwidth: float, latency: float) -> fl
     return (ranks - 1) / ranks * size / bandwidth + (ranks - 1) * latency
 
 
+def attention_weights(model: ModelSpec) -> int:
+    """The numbers in one layer's attention matrices (its multiply-adds per token): grouped
+    heads, or DeepSeek's latent attention."""
+    h, a = model.hidden, model.heads
+    if model.latent_attention:
+        query = a * (model.qk_nope_head_dim + model.qk_rope_head_dim)
+        rank = model.q_lora_rank
+        q = (h + query) * rank if rank else h * query
+        kv = h * (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank * a * (
+            model.qk_nope_head_dim + model.v_head_dim
+        )
+        return q + kv + a * model.v_head_dim * h
+    d, kv_heads = model.attention_head_dim, model.kv_heads or a
+    return 2 * h * a * d + 2 * h * kv_heads * d
+
+
+def small_parameters(model: ModelSpec, moe: bool) -> int:
+    """One layer's parameters outside its matrices and its two norms: biases, query/key norms,
+    the latent attention's norms, the shared experts' gate (not split by tensor parallelism)."""
+    h, a = model.hidden, model.heads
+    count = 0
+    if model.latent_attention:
+        count += model.q_lora_rank + model.kv_lora_rank  # their norms
+        if model.qkv_bias:
+            count += model.q_lora_rank + model.kv_lora_rank + model.qk_rope_head_dim
+    else:
+        d, kv_heads = model.attention_head_dim, model.kv_heads or a
+        count += (a * d + 2 * kv_heads * d if model.qkv_bias else 0) + (
+            2 * d if model.qk_norm else 0
+        )
+    count += h if model.o_bias else 0
+    if moe:
+        count += h if model.shared_expert_gate and model.shared_experts else 0
+    elif model.mlp_bias:
+        ffn = model.dense_ffn or model.ffn
+        count += (2 * ffn if model.gated_mlp else ffn) + h
+    return count
+
+
 def layer_cost(
     model: ModelSpec, hardware: Hardware, index: int, ep: int = 1, ep_within_node: bool = True,
     training: Training = PLAIN,
@@ -202,7 +241,7 @@ def layer_cost(
     fp8 = training.fp8
     moe = model.moe and index >= model.dense_layers
     ffn = model.ffn if moe or not model.dense_ffn else model.dense_ffn
-    attention_params = h * (2 * h + 2 * kv * d)
+    attention_params = attention_weights(model)
     if moe:
         active = model.top_k + model.shared_experts
         expert_tokens = T * model.top_k * ep / model.experts  # tokens one expert multiplies
@@ -243,7 +282,7 @@ def layer_cost(
     elif training.recompute == "full":
         activation = p * T * h / t
         backward += forward
-    params = (attention_params + mlp_params) / t + 2 * h
+    params = (attention_params + mlp_params) / t + 2 * h + small_parameters(model, moe)
     ep_forward = ep_backward = ep_bytes = 0.0
     if moe and ep > 1:
         ep_bytes = model.top_k * T * h * p * (ep - 1) / ep  # one direction: dispatch or combine
@@ -348,10 +387,9 @@ def training_flops_per_token(model: ModelSpec) -> float:
     """FLOPs of F, B and W for one token through the whole model (three times the forward's
     matmuls, routed experts counted for the ``k`` a token uses): the numerator of MFU."""
     h, s = model.hidden, model.seq_len
-    d, kv = h // model.heads, model.kv_heads or model.heads
     g = 3 if model.gated_mlp else 2
     causal = 0.5 if model.flash_attention else 1.0
-    attention = h * (2 * h + 2 * kv * d) + 2 * s * h * causal
+    attention = attention_weights(model) + 2 * s * h * causal
     dense_ffn = model.dense_ffn or model.ffn
     if model.moe:
         moe_layers = model.layers - model.dense_layers
