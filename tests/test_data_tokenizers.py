@@ -419,7 +419,7 @@ def test_a_resume_with_another_tokenizer_is_refused(bpe, tmp_path):
 def test_training_on_a_tokenizers_token_file_runs_end_to_end(bpe, tmp_path, token_file):
     command = [sys.executable, "-m", "cutpipe", "train", "--quiet", "--nproc", "2", "--schedule",
                "1f1b", "--tokenizer", str(bpe.file), "--data", str(token_file), "--model",
-               model_file(tmp_path, 300), "--steps", "2", "-m", "2", "--batch", "4",
+               model_file(tmp_path, 300), "--steps", "2", "-m", "2", "--global-batch", "4",
                "--metrics", str(tmp_path / "m.jsonl")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=280, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cutpipe.cli.main import main
-from cutpipe.models.generate import Sampling, bytes_codec, from_checkpoint, from_hf_folder, generate
+from cutpipe.models.generate import Sampling, byte_codec, from_checkpoint, from_hf_folder, generate
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,12 +53,21 @@ def test_a_training_checkpoint_generates_without_a_model_file(tmp_path, capsys):
     assert done.returncode == 0, done.stderr[-3000:]
     trained = from_checkpoint(tmp_path / "ckpt")
     assert trained.spec.layers == 8 and trained.spec.vocab == 256
-    encode, decode = bytes_codec()
+    encode, decode = byte_codec().encode, byte_codec().decode
     expected = generate(trained.model, encode("def f("), 10, trained.spec.seq_len, Sampling(0))
     code = main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "def f(",
                  "--max-new-tokens", "10", "--temperature", "0"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0 and out == "def f(" + decode(expected) + "\n"
+    # a model trained on bytes takes no tokenizer
+    tokenizers = pytest.importorskip("tokenizers")
+    vocabulary = {"[UNK]": 0, "</s>": 1, "def": 2}
+    words = tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]")
+    tokenizers.Tokenizer(words).save(str(tmp_path / "tokenizer.json"))
+    code = main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "def",
+                 "--tokenizer", str(tmp_path / "tokenizer.json")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "the checkpoint's run trained on bytes: drop --tokenizer" in err, err
     # the weights are the trained ones: the exported model continues the same way
     assert (
         main(["export", "--checkpoint", str(tmp_path / "ckpt"), "-o", str(tmp_path / "m.pt")]) == 0

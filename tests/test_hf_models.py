@@ -313,7 +313,7 @@ def test_deepseek_pipelined_and_expert_parallel_start_from_transformers_loss(tmp
     with torch.no_grad():
         logits = theirs(inputs).logits
     expected = float(LanguageModelLoss(0.0)((logits, torch.zeros(())), targets))
-    settings = dict(init_from=str(folder), schedule="dualpipev", steps=1, microbatches=4, batch=8,
+    settings = dict(init_from=str(folder), schedule="dualpipev", steps=1, microbatches=4, global_batch=8,
                     aux_weight=0.0, quiet=True)  # fmt: skip
     for ranks, ep in ((2, 1), (4, 2)):
         options = TrainOptions.build(ep=ep, **settings)

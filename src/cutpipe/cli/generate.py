@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cutpipe.cli.common import description, real, require_torch, whole_number
+
+if TYPE_CHECKING:
+    from cutpipe.models.generate import Codec
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -59,6 +63,14 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = str(source)
     codec = None if tokenizer is None else tokenizer_codec(tokenizer)
     trained = from_hf_folder(source, codec) if hf else from_checkpoint(source, codec)
+    given = "bytes" if codec is None else codec.digest
+    if not hf and trained.tokenizer not in (None, given):
+        raise ValueError(
+            f"the checkpoint's run trained on tokenizer {trained.tokenizer[:12]}, not "
+            f"{given[:12]}: give --tokenizer the tokenizer.json it was trained with"
+            if trained.tokenizer != "bytes"
+            else f"the checkpoint's run trained on bytes: drop --tokenizer {tokenizer}"
+        )
     prompt = trained.encode(args.prompt)
     if max(prompt, default=0) >= trained.spec.vocab:
         raise ValueError(
@@ -72,21 +84,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def tokenizer_codec(path: str):
-    """Encode and decode with a Hugging Face ``tokenizer.json`` (the ``tokenizers`` library)."""
+def tokenizer_codec(path: str) -> Codec:
+    """Encode and decode with a Hugging Face ``tokenizer.json`` (the ``tokenizers`` library);
+    generation stops at its end-of-sequence token when it has one."""
+    from cutpipe.data.tokenizer import load_tokenizer, require, tokenizer_digest, tokenizer_file
+    from cutpipe.models.generate import Codec
+
+    library = require("tokenizers", "--tokenizer")
+    file = tokenizer_file(path)
+    tokenizer = library.Tokenizer.from_file(str(file))
     try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ValueError(
-            "--tokenizer needs the tokenizers library: pip install 'cutpipe[data]'"
-        ) from None
-    file = Path(path)
-    if file.is_dir():
-        file = file / "tokenizer.json"
-    if not file.is_file():
-        raise ValueError(f"--tokenizer {path}: no tokenizer.json there")
-    tokenizer = Tokenizer.from_file(str(file))
-    return (
+        stop: int | None = load_tokenizer(file).eos
+    except ValueError:  # no end-of-sequence token to stop at
+        stop = None
+    return Codec(
         lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
         lambda tokens: tokenizer.decode(list(tokens)),
-    )
+        stop, tokenizer_digest(file),
+    )  # fmt: skip

@@ -75,26 +75,46 @@ def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) 
 
 
 @dataclass(frozen=True)
-class Trained:
-    """A trained model ready to sample from, and how text becomes its tokens and back."""
+class Codec:
+    """How text becomes a model's tokens and back, and the token that ends a text (if any);
+    ``digest`` names the tokenizer as training runs record it (``"bytes"``, or its SHA-256)."""
 
-    model: torch.nn.Module
-    spec: ModelSpec
     encode: Callable[[str], list[int]]
     decode: Callable[[Sequence[int]], str]
     stop: int | None = None
+    digest: str = "bytes"
 
 
-def bytes_codec() -> tuple[Callable[[str], list[int]], Callable[[Sequence[int]], str]]:
+def byte_codec() -> Codec:
     """Byte tokens, as ``cutpipe train`` reads text by default."""
-    return (lambda text: list(text.encode())), (
-        lambda tokens: bytes(t for t in tokens if t < 256).decode(errors="replace")
+    return Codec(
+        lambda text: list(text.encode()),
+        lambda tokens: bytes(t for t in tokens if t < 256).decode(errors="replace"),
     )
 
 
-def from_checkpoint(
-    path: str | Path, codec: tuple[Callable, Callable] | None = None, note: Any = None
-) -> Trained:
+@dataclass(frozen=True)
+class Trained:
+    """A trained model ready to sample from, the codec it is read with, and the tokenizer its
+    run recorded (None: not recorded)."""
+
+    model: torch.nn.Module
+    spec: ModelSpec
+    codec: Codec
+    tokenizer: str | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return self.codec.encode(text)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.codec.decode(tokens)
+
+    @property
+    def stop(self) -> int | None:
+        return self.codec.stop
+
+
+def from_checkpoint(path: str | Path, codec: Codec | None = None, note: Any = None) -> Trained:
     """The model of a training checkpoint (a ``--checkpoint-dir``, or one step folder in it),
     built from its run record: no model file needed."""
     from cutpipe.models.router import RoutingOptions
@@ -113,13 +133,13 @@ def from_checkpoint(
     spec = ModelSpec.from_dict(
         {**record["model"], "name": Path(path).name, "seq_len": record["seq_len"]}, str(path)
     )
-    model = language_model(spec, routing=RoutingOptions(bias=bool(record.get("routing_bias"))))
+    bias = bool(record.get("routing_bias")) or any(k.endswith(".routing_bias") for k in state)
+    model = language_model(spec, routing=RoutingOptions(bias=bias))
     model.load_state_dict(state)
-    encode, decode = codec or bytes_codec()
-    return Trained(model, spec, encode, decode)
+    return Trained(model, spec, codec or byte_codec(), record.get("tokenizer", "bytes"))
 
 
-def from_hf_folder(folder: str | Path, codec: tuple[Callable, Callable] | None = None) -> Trained:
+def from_hf_folder(folder: str | Path, codec: Codec | None = None) -> Trained:
     """The model of a Hugging Face folder (``config.json`` and safetensors)."""
     from cutpipe.model_config import load_model_config
     from cutpipe.models.hf import load_hf_weights
@@ -128,5 +148,4 @@ def from_hf_folder(folder: str | Path, codec: tuple[Callable, Callable] | None =
     spec = load_model_config(folder)
     model = language_model(spec)
     load_hf_weights(model, folder, spec)
-    encode, decode = codec or bytes_codec()
-    return Trained(model, spec, encode, decode)
+    return Trained(model, spec, codec or byte_codec())
