@@ -157,8 +157,15 @@ def test_tune_table_names_the_layers_per_stage_and_the_cap_in_bytes(capsys):
     argv = ["tune", "-r", "4", "-m", "8", "--seconds", "0", "--model", DENSE, "--gpu", "H100",
             "--placement", "linear", "--memory-cap-x", "1.5"]  # fmt: skip
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # the title as one line, however wrapped
     assert "layers per stage" in out and "GB" in out and "1.5x 1F1B's peak" in out
+    assert "dense-7b (4,096-token sequences) on 4 x H100" in out
+    assert main([*argv, "--seq-len", "512", "--json"]) == 0
+    assert tune_json(capsys)["plan"]["seq_len"] == 512
+
+
+def tune_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out)
 
 
 @pytest.mark.parametrize(
@@ -173,6 +180,7 @@ def test_tune_table_names_the_layers_per_stage_and_the_cap_in_bytes(capsys):
         (["--model", DENSE, "--gpu", "H100", "-r", "40"], "needs at least 78 layers"),
         (["--model", "/nope.yaml", "--gpu", "H100"], "no such file"),
         (["--profile", DENSE, "--gpu", "H100"], "not JSON"),
+        (["--costs", "F=1", "--seq-len", "64"], "--seq-len sets the length of --model's"),
     ],
 )  # fmt: skip
 def test_tune_refuses_bad_sources(capsys, args, message):

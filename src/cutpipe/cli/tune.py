@@ -14,6 +14,7 @@ from cutpipe.cli.common import (
     print_json,
     readable_file,
     real,
+    whole_number,
 )
 from cutpipe.plan.search.bounds import v_bubble_lower_bound
 from cutpipe.plan.search.caps import default_cap, within
@@ -82,6 +83,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar="NAME",
         help="a GPU preset (H100, ...) or a GPU file: the devices, with --model or --profile",
     )
+    parser.add_argument("--seq-len", type=whole_number(1, 2**24), metavar="N",
+                        help="with --model: tokens per sequence (default: the model file's; a "
+                        "Hugging Face config's max_position_embeddings)")  # fmt: skip
     parser.add_argument(
         "--memory-cap",
         type=real(0.0, MAX_COST, unit="units of the costs' activation"),
@@ -151,6 +155,7 @@ class Planned:
     model: str
     gpu: str
     sizes: list[int]  # cost items per stage (the first holds the embedding, the last the head)
+    seq_len: int = 0  # tokens per sequence the costs are for
 
     @property
     def layers(self) -> list[int]:
@@ -167,6 +172,10 @@ def planned_costs(args: argparse.Namespace) -> tuple[Costs, Planned]:
     from cutpipe.plan.partition import rank_balanced_sizes, stage_costs
 
     option = "--model" if args.model is not None else "--profile"
+    if args.seq_len is not None and args.model is None:
+        raise ValueError(
+            f"--seq-len sets the length of --model's sequences: {option} fixes its own"
+        )
     if args.gpu is None:
         raise ValueError(
             f"{option} needs --gpu NAME (e.g. H100, or a GPU file): the costs depend on it"
@@ -176,7 +185,7 @@ def planned_costs(args: argparse.Namespace) -> tuple[Costs, Planned]:
         profile = Profile.load(args.profile)
         model, items, kept = profile.model, profile.items_for(hardware), profile.w_memory
     else:
-        model = load_model_config(args.model)
+        model = load_model_config(args.model, seq_len=args.seq_len)
         items, kept = model_items(model, hardware), w_memory(model)
     ranks = args.ranks
     stages = ranks * (2 if args.placement == "v" else 1)
@@ -191,11 +200,15 @@ def planned_costs(args: argparse.Namespace) -> tuple[Costs, Planned]:
     comm = p2p_time(model, hardware, within_node=ranks <= hardware.gpus_per_node)
     costs = stage_costs(items, sizes, comm, kept)
     source = "model" if args.model is not None else "profile"
-    return costs, Planned(source, model.name, hardware.name, sizes)
+    return costs, Planned(source, model.name, hardware.name, sizes, model.seq_len)
 
 
 def run(args: argparse.Namespace) -> int:
     R, m = args.ranks, args.microbatches
+    if args.seq_len is not None and args.model is None:
+        raise ValueError(
+            "--seq-len sets the length of --model's sequences: give --model FILE, or drop it"
+        )
     picture = args.output is not None and args.output.suffix.lower() in PICTURES
     if args.frontier:
         return run_frontier(args)
@@ -259,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
                 "source": planned.source,
                 "model": planned.model,
                 "gpu": planned.gpu,
+                "seq_len": planned.seq_len,
                 "layers_per_stage": planned.layers,
                 "memory_cap": cap,
                 "memory_cap_unit": "bytes",
@@ -283,7 +297,8 @@ def print_table(args: argparse.Namespace, rows: list, cap: float, planned: Plann
     else:
         layers = ",".join(map(str, planned.layers))
         title = (
-            f"{planned.model} on {R} x {planned.gpu} ({planned.source}): {args.placement} "
+            f"{planned.model} ({planned.seq_len:,}-token sequences) on {R} x {planned.gpu} "
+            f"({planned.source}): {args.placement} "
             f"placement, m={m}, layers per stage {layers} (+embedding, +head), activation cap "
             f"{cap / 1e9:.3f} GB{factor}"
         )
