@@ -150,7 +150,8 @@ def test_tune_on_a_profile(capsys, tmp_path):
     assert main(["tune", "-r", "2", "-m", "4", "--seconds", "0", "--profile", str(path), "--gpu",
                  "A100"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert "tiny on 2 x A100-80GB (profile)" in out and "GB" in out and "makespan (ms)" in out
+    assert "tiny (32-token sequences) on 2 x A100-80GB (profile)" in out and "GB" in out
+    assert "makespan (ms)" in out
 
 
 def test_tune_table_names_the_layers_per_stage_and_the_cap_in_bytes(capsys):
