@@ -145,6 +145,29 @@ class DataOptions:
 
 
 @dataclass(frozen=True)
+class EvaluationOptions:
+    """validation: a held-out loss during training (cutpipe.train.evaluate)"""
+
+    val_data: tuple[str, ...] = option(
+        (), "validation text files, folders or a prepared token file, read like --data",
+        Text(), metavar="PATH", many=True,
+    )  # fmt: skip
+    val_fraction: float | None = option(
+        None, "hold out this last share of the training tokens (0 < F < 1) for validation; "
+        "training reads only the rest", Real(0.0, 1.0), metavar="F",
+    )  # fmt: skip
+    eval_every: int | None = option(
+        None, "steps between evaluations, and one after the last step (default: only after "
+        "the last step when there is a validation set; 0: never)", Whole(0, 10**9),
+        metavar="STEPS",
+    )  # fmt: skip
+    eval_steps: int | None = option(
+        None, "global batches per evaluation, the same ones every time (default: all of the "
+        "validation set, at most 8)", Whole(1, 10**6), metavar="N",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
 class OptimizerOptions:
     """the optimizer (AdamW) and its learning rate"""
 
@@ -282,6 +305,7 @@ GROUPS = {
     "pipeline": ScheduleOptions,
     "run": ModelOptions,
     "inputs": DataOptions,
+    "evaluation": EvaluationOptions,
     "optimizer": OptimizerOptions,
     "parallel": ParallelOptions,
     "checkpoints": CheckpointOptions,
@@ -330,6 +354,7 @@ class TrainOptions:
     pipeline: ScheduleOptions = field(default_factory=ScheduleOptions)
     run: ModelOptions = field(default_factory=ModelOptions)
     inputs: DataOptions = field(default_factory=DataOptions)
+    evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
     checkpoints: CheckpointOptions = field(default_factory=CheckpointOptions)
@@ -353,7 +378,7 @@ class TrainOptions:
         for key, value in settings.items():
             if key not in owner:
                 raise TypeError(f"TrainOptions has no option {key!r}")
-            groups[owner[key]][key] = tuple(value) if key == "data" else value
+            groups[owner[key]][key] = tuple(value) if key in ("data", "val_data") else value
         return cls(**{name: GROUPS[name](**groups[name]) for name in GROUPS})
 
     def replace(self, **settings: Any) -> TrainOptions:
@@ -423,11 +448,39 @@ class TrainOptions:
             )
         if self.emulate and self.ep > 1:
             problems += expert_emulation_problems(self.costs)
+        problems += self._validation_conflicts()
         if self.emulate and self.runner_steps:
             problems.append(
                 "--emulate trains nothing: drop --step-boundary overlap and --skip-nonfinite"
             )
         return problems
+
+    def _validation_conflicts(self) -> list[str]:
+        """What the validation options say that cannot hold together."""
+        problems = []
+        if self.val_data and self.val_fraction is not None:
+            problems.append(
+                "--val-data and --val-fraction both give a validation set: give one of them"
+            )
+        if self.val_fraction == 1.0:
+            problems.append("--val-fraction 1 holds out every token: give a share below 1")
+        if not self.validates:
+            given = [flag for flag, value in (("--eval-every", self.eval_every),
+                                              ("--eval-steps", self.eval_steps)) if value]  # fmt: skip
+            if given:
+                needs = "needs" if len(given) == 1 else "need"
+                problems.append(
+                    f"{' and '.join(given)} {needs} a validation set: give --val-data or "
+                    "--val-fraction"
+                )
+        elif self.emulate:
+            problems.append("--emulate trains nothing to evaluate: drop --val-data/--val-fraction")
+        return problems
+
+    @property
+    def validates(self) -> bool:
+        """Whether the run has a validation set (``--val-data`` or ``--val-fraction``)."""
+        return bool(self.val_data) or self.val_fraction is not None
 
     @property
     def simulated_costs(self) -> Costs:

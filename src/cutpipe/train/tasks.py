@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from cutpipe.data.tokens import Tokens
     from cutpipe.train.options import TrainOptions
 
 
@@ -77,6 +78,11 @@ class Task(Protocol):
 
     def loader(self, batch: int, seed: int) -> Loader: ...
 
+    def validation(self) -> Tokens | None:
+        """The held-out tokens of ``--val-data`` or ``--val-fraction`` (None: no validation
+        set), once ``loader`` has read the training tokens."""
+        ...
+
     def baseline(self) -> float | None:
         """A loss to read the run's against (a context-free model's), once the data is loaded."""
         ...
@@ -92,6 +98,12 @@ def task_for(options: TrainOptions) -> Task:
     if options.init_from:
         _check_weights(spec, options.init_from, options.seq_len)
     if isinstance(spec, MlpSpec):
+        if options.validates:
+            raise ValueError(
+                f"--model {options.model} is the example MLP, which trains on fresh synthetic "
+                "batches every step (its training loss is already on unseen samples): drop "
+                "--val-data/--val-fraction, or train a language model (--model FILE)"
+            )
         if options.data:
             raise ValueError(
                 f"--model {options.model} is the example MLP on synthetic data: drop --data, or "
@@ -105,7 +117,8 @@ def task_for(options: TrainOptions) -> Task:
             "no experts: drop them"
         )
     routing = RoutingOptions(options.capacity_factor, bias=options.routing_bias_rate > 0)
-    return LanguageModelTask(spec, options.data, options.aux_weight, routing)
+    held_out = {"val_data": options.val_data, "val_fraction": options.val_fraction}
+    return LanguageModelTask(spec, options.data, options.aux_weight, routing, **held_out)
 
 
 def _check_weights(spec: ModelSpec | MlpSpec, folder: str, seq_len: int | None) -> None:
@@ -140,6 +153,9 @@ class LanguageModelTask:
     data: tuple[str, ...] = ()
     aux_weight: float = 0.01
     routing: RoutingOptions | None = None  # an MoE's capacity and balancing bias
+    #: the validation set: other data, or the last share of ``data`` (which training then skips)
+    val_data: tuple[str, ...] = ()
+    val_fraction: float | None = None
     loss_words = "nats/token"
 
     def __post_init__(self) -> None:
@@ -148,6 +164,7 @@ class LanguageModelTask:
         self.microbatch_size = self.spec.microbatch_size
         self.tokens_per_sample = self.spec.seq_len
         self._entropy: float | None = None
+        self._held_out: Tokens | None = None
 
     def num_blocks(self) -> int:
         return self.spec.layers + 2  # the embedding, the layers, the head
@@ -213,8 +230,15 @@ class LanguageModelTask:
         from cutpipe.data import TokenLoader, load_tokens, unigram_entropy
 
         tokens = load_tokens(self.data)
+        if self.val_fraction is not None:  # training never reads the held-out tokens
+            tokens, self._held_out = tokens.split(self.val_fraction)
+        elif self.val_data:
+            self._held_out = load_tokens(self.val_data)
         self._entropy = unigram_entropy(tokens)
         return TokenLoader(tokens, self.spec.seq_len, batch, seed=seed)
+
+    def validation(self) -> Tokens | None:
+        return self._held_out
 
     def baseline(self) -> float | None:
         return self._entropy
@@ -274,6 +298,9 @@ class RegressionTask:
 
         teacher = mlp(self.spec.blocks, self.spec.width, seed=epoch_seed(seed, -1))
         return RegressionLoader(self.spec.width, batch, seed, teacher)
+
+    def validation(self) -> Tokens | None:
+        return None  # refused in task_for: every batch is new
 
     def baseline(self) -> float | None:
         return None
