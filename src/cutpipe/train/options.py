@@ -12,6 +12,7 @@ every option.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,17 @@ def step_range(text: str) -> tuple[int, int]:
     if pair[0] < 1 or pair[1] < pair[0]:
         raise ValueError(f"expected 1 <= A <= B, got {text!r}")
     return pair
+
+
+def held_out_share(text: str) -> float:
+    """A share strictly between 0 and 1 (``--val-fraction``)."""
+    try:
+        share = float(text)
+    except ValueError:
+        share = math.nan
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"expected a share between 0 and 1, e.g. 0.05, got {text!r}")
+    return share
 
 
 SOURCE = "schedule source"
@@ -154,7 +166,7 @@ class EvaluationOptions:
     )  # fmt: skip
     val_fraction: float | None = option(
         None, "hold out this last share of the training tokens (0 < F < 1) for validation; "
-        "training reads only the rest", Real(0.0, 1.0), metavar="F",
+        "training reads only the rest", Custom(held_out_share, float), metavar="F",
     )  # fmt: skip
     eval_every: int | None = option(
         None, "steps between evaluations, and one after the last step (default: only after "
@@ -462,8 +474,11 @@ class TrainOptions:
             problems.append(
                 "--val-data and --val-fraction both give a validation set: give one of them"
             )
-        if self.val_fraction == 1.0:
-            problems.append("--val-fraction 1 holds out every token: give a share below 1")
+        if self.val_fraction is not None and not 0.0 < self.val_fraction < 1.0:
+            problems.append(
+                f"val_fraction (--val-fraction) is the share of the tokens held out: give one "
+                f"between 0 and 1, not {self.val_fraction}"
+            )
         if not self.validates:
             given = [flag for flag, value in (("--eval-every", self.eval_every),
                                               ("--eval-steps", self.eval_steps)) if value]  # fmt: skip
