@@ -115,9 +115,11 @@ def launched(files, tmp_path_factory) -> dict:
     """Every multi-process check of the module in one launch of 2 ranks."""
     logs = tmp_path_factory.mktemp("logs")
     checks = [check_options(files, name) for name in CHECKS]
+    kept = dict(val_data=[files["val"]], checkpoint_dir=str(logs / "checkpoints"))
     runs = [
-        options(files, val_data=[files["val"]], eval_every=2, log=str(logs / "eval.jsonl")),
+        options(files, eval_every=2, log=str(logs / "eval.jsonl"), **kept),
         options(files, eval_steps=None),  # the same training, never evaluated
+        options(files, eval_every=0, steps=4, resume=True, **kept),  # one step more, no evaluation
     ]
     per_rank = run(workers.eval_launch, 2, (checks, runs), timeout=400)
     _, trained = per_rank[0]
@@ -183,7 +185,7 @@ def test_a_run_evaluates_where_asked_and_trains_as_it_would_without(files, launc
     """``--eval-every 2`` over 3 steps: after steps 2 and 3 (the log's records carry it, no
     other record does, and the summary line says the last); the training losses are bitwise
     those of the run never evaluated."""
-    evaluated, plain = launched["runs"]
+    evaluated, plain, _ = launched["runs"]
     assert evaluated["losses"] == plain["losses"]
     records = read_metrics(launched["log"])
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -192,11 +194,22 @@ def test_a_run_evaluates_where_asked_and_trains_as_it_would_without(files, launc
         assert record["val_ppl"] == pytest.approx(math.exp(record["val_loss"]))
         assert record["val_time"] > 0
     last = records[-1]
-    fields = {k: last[k] for k in ("val_loss", "val_ppl", "val_time")}
+    fields = {k: last[k] for k in ("val_loss", "val_ppl")}
     assert evaluated["validation"] == {"step": 3, **fields}
     assert plain["validation"] is None
     said = f"validation loss {last['val_loss']:.4f} (perplexity {last['val_ppl']:.2f}) after step 3"
     assert said in summary(evaluated)
+
+
+@pytest.mark.timeout(500)
+def test_checkpoints_keep_the_latest_validation_loss(launched):
+    """A run resumed from the evaluated run's last checkpoint (step 3), told never to evaluate,
+    reports the validation loss that checkpoint kept, and keeps it in its own."""
+    evaluated, _, resumed = launched["runs"]
+    assert resumed["resumed_from"] == 3 and [r["step"] for r in resumed["records"]] == [4]
+    assert "val_loss" not in resumed["records"][0]
+    assert resumed["validation"] == evaluated["validation"]
+    assert "after step 3" in summary(resumed)
 
 
 # -- in one process ------------------------------------------------------------------------------

@@ -327,7 +327,10 @@ class Trainer:
         """The held-out loss of the model as it is now (every rank calls it; ``Evaluation``);
         the latest is kept for checkpoints."""
         evaluation = self.evaluator.run(self)
-        self.validation = {"step": evaluation.step, **evaluation.fields()}
+        # the same on every rank (the time is not): what checkpoints keep
+        self.validation = {
+            "step": evaluation.step, "val_loss": evaluation.loss, "val_ppl": evaluation.perplexity
+        }  # fmt: skip
         return evaluation
 
     # -- one step ---------------------------------------------------------------------------------
