@@ -21,9 +21,15 @@ def _routing(trainer: Trainer) -> dict[str, Any]:
     stats = routing_statistics(trainer.parallel.stages)
     return {
         "microbatches": sum(layer.microbatches for layer in stats.layers.values()),
-        "bias": {name: moe.routing_bias.clone() for name, moe in layers.items()},
+        "bias": {name: moe.routing_bias.tolist() for name, moe in layers.items()},
         "pending": sum(moe.bias_load is not None for moe in layers.values()),
     }
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor, gathered whole if it is an FSDP shard (a collective)."""
+    tensor = tensor.detach()
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def evaluate_around_steps(rank: int, world: int, options: TrainOptions) -> dict[str, Any]:
@@ -38,7 +44,8 @@ def evaluate_around_steps(rank: int, world: int, options: TrainOptions) -> dict[
         routing.append(_routing(trainer))
         after = trainer.evaluate().loss
         routing.append(_routing(trainer))
-        weights = {k: v.detach().clone() for k, v in trainer.held.state_dict().items()}
+        # as lists: tensors would come back through shared memory, gone once the worker ends
+        weights = {k: _whole(v).tolist() for k, v in trainer.held.state_dict().items()}
     finally:
         trainer.close()
     return {"at_start": [before, again], "after": after, "losses": losses,

@@ -92,11 +92,12 @@ def options(files: dict[str, str], **changes) -> TrainOptions:
 
 # -- one launch: 2 gloo ranks ---------------------------------------------------------------------
 
-#: Evaluated around two training steps: DualPipeV (PP 2), data parallelism (1F1B on PP 1 x DP 2),
-#: and an MoE with DeepSeek-style balancing (1F1B on PP 2).
+#: Evaluated around two training steps: DualPipeV (PP 2), data parallelism (1F1B on PP 1 x DP 2,
+#: all-reduce and FSDP2), and an MoE with DeepSeek-style balancing (1F1B on PP 2).
 CHECKS = {
     "dualpipev": dict(val_fraction=0.1),
     "dp": dict(schedule="1f1b", dp=2, val_data=["VAL"]),
+    "fsdp": dict(schedule="1f1b", dp=2, dp_mode="fsdp", val_data=["VAL"]),
     "moe": dict(model="MOE", schedule="1f1b", val_fraction=0.1, routing_bias_rate=0.01),
 }
 
@@ -120,6 +121,7 @@ def launched(files, tmp_path_factory) -> dict:
         options(files, eval_every=2, log=str(logs / "eval.jsonl"), **kept),
         options(files, eval_steps=None),  # the same training, never evaluated
         options(files, eval_every=0, steps=4, resume=True, **kept),  # one step more, no evaluation
+        options(files, val_data=[files["val"]], eval_every=2, step_boundary="overlap"),
     ]
     per_rank = run(workers.eval_launch, 2, (checks, runs), timeout=400)
     _, trained = per_rank[0]
@@ -160,7 +162,7 @@ def test_the_pipelined_held_out_loss_is_one_process_loss(files, launched, name):
         assert rank["at_start"][0] == rank["at_start"][1] == ranks[0]["at_start"][0]
         assert rank["after"] == ranks[0]["after"]
         assert rank["at_start"][0] == pytest.approx(first, rel=1e-5, abs=1e-6)
-    weights = {k: v for rank in ranks for k, v in rank["weights"].items()}
+    weights = {k: torch.tensor(v) for rank in ranks for k, v in rank["weights"].items()}
     after = reference_loss(settings, weights)
     assert abs(after - first) > 1e-3  # the steps moved the weights: the check can fail
     assert ranks[0]["after"] == pytest.approx(after, rel=1e-5, abs=1e-6)
@@ -172,12 +174,12 @@ def test_evaluation_counts_no_routing_and_moves_no_bias(files, launched):
     for rank in launched["checks"]["moe"]:
         start, trained, evaluated = rank["routing"]
         assert start["microbatches"] == 0 and start["pending"] == 0
-        assert all(not bias.any() for bias in start["bias"].values())
+        assert all(not any(bias) for bias in start["bias"].values())
         # the steps counted and moved the bias (read and reset by each step's statistics)
-        assert any(bias.any() for bias in trained["bias"].values())
+        assert any(any(bias) for bias in trained["bias"].values())
         assert evaluated["microbatches"] == 0 and evaluated["pending"] == 0
         for layer, bias in trained["bias"].items():
-            assert torch.equal(evaluated["bias"][layer], bias)
+            assert evaluated["bias"][layer] == bias
 
 
 @pytest.mark.timeout(500)
@@ -185,7 +187,7 @@ def test_a_run_evaluates_where_asked_and_trains_as_it_would_without(files, launc
     """``--eval-every 2`` over 3 steps: after steps 2 and 3 (the log's records carry it, no
     other record does, and the summary line says the last); the training losses are bitwise
     those of the run never evaluated."""
-    evaluated, plain, _ = launched["runs"]
+    evaluated, plain, _, overlapped = launched["runs"]
     assert evaluated["losses"] == plain["losses"]
     records = read_metrics(launched["log"])
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -199,13 +201,17 @@ def test_a_run_evaluates_where_asked_and_trains_as_it_would_without(files, launc
     assert plain["validation"] is None
     said = f"validation loss {last['val_loss']:.4f} (perplexity {last['val_ppl']:.2f}) after step 3"
     assert said in summary(evaluated)
+    # steps that overlap their boundary: the record of an evaluated step still gets its loss
+    held_out = [r.get("val_loss") for r in overlapped["records"]]
+    assert held_out[0] is None
+    assert held_out[1:] == pytest.approx([r["val_loss"] for r in records[1:]], rel=1e-5)
 
 
 @pytest.mark.timeout(500)
 def test_checkpoints_keep_the_latest_validation_loss(launched):
     """A run resumed from the evaluated run's last checkpoint (step 3), told never to evaluate,
     reports the validation loss that checkpoint kept, and keeps it in its own."""
-    evaluated, _, resumed = launched["runs"]
+    evaluated, _, resumed, _ = launched["runs"]
     assert resumed["resumed_from"] == 3 and [r["step"] for r in resumed["records"]] == [4]
     assert "val_loss" not in resumed["records"][0]
     assert resumed["validation"] == evaluated["validation"]
