@@ -201,15 +201,15 @@ def summary(result: dict[str, Any]) -> str | None:
     )
     if result["entropy"] is not None:
         line += f" (the corpus's unigram entropy: {result['entropy']:.4f})"
-    speed = statistics.median(r["tokens_per_s"] for r in steady)
-    unit = "tokens/s" if result["entropy"] is not None else "samples/s"
-    line += f"; median {speed:,.0f} {unit}"
     validation = result.get("validation")
     if validation is not None:
         line += (
             f"; validation loss {validation['val_loss']:.4f} (perplexity "
             f"{validation['val_ppl']:.2f}) after step {validation['step']}"
         )
+    speed = statistics.median(r["tokens_per_s"] for r in steady)
+    unit = "tokens/s" if result["entropy"] is not None else "samples/s"
+    line += f"; median {speed:,.0f} {unit}"
     if result["resumed_from"] is not None:
         line += f"; resumed after step {result['resumed_from']}"
     if result["checkpoint_stall"]:

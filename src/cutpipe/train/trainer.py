@@ -20,12 +20,15 @@ import os
 import signal
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from cutpipe.train.options import TrainOptions
+
+if TYPE_CHECKING:
+    from cutpipe.train.evaluate import Evaluation, Evaluator
 
 
 @dataclass
@@ -126,7 +129,7 @@ class Trainer:
             self.layout.pipeline_ranks, ep=options.ep, dp=options.dp, device_type=self.device.type
         )
         self._unchecked: StepRecord | None = None  # an overlapped step awaiting its verdict
-        self.evaluator = None  # a validation set's (cutpipe.train.evaluate)
+        self.evaluator: Evaluator | None = None  # a validation set's
         self.validation: dict[str, float] | None = None  # the latest evaluation's, checkpointed
         self.step = 0  # optimizer steps done
         self.checkpoints = None
@@ -135,7 +138,9 @@ class Trainer:
             return
         self._build()
         self.loader = self.task.loader(self.batch, options.seed)
-        self._evaluation_setup()
+        from cutpipe.train.evaluate import Evaluator
+
+        self.evaluator = Evaluator.of_run(options, self.task, self.batch)
         if options.checkpoint_dir:
             from cutpipe.train.checkpoint import Checkpointer
 
@@ -318,12 +323,7 @@ class Trainer:
 
     # -- validation -------------------------------------------------------------------------------
 
-    def _evaluation_setup(self) -> None:
-        from cutpipe.train.evaluate import Evaluator
-
-        self.evaluator = Evaluator.of_run(self.options, self.task, self.batch)
-
-    def evaluate(self) -> Any:
+    def evaluate(self) -> Evaluation:
         """The held-out loss of the model as it is now (every rank calls it; ``Evaluation``);
         the latest is kept for checkpoints."""
         evaluation = self.evaluator.run(self)

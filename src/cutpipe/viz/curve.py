@@ -2,8 +2,8 @@
 
 The dashed line is the corpus's unigram entropy: the loss of a model that ignores context, so
 the gap below it is what the model learned from context. A run that evaluated on held-out data
-(``val_loss`` in its records) also shows that loss, dashed with a marker at each evaluation, in
-the run's color. One run also shows its tokens/s on a second axis; several runs are drawn side
+(``val_loss`` in its records) also shows that loss, dashed with a marker at each evaluation (in
+the next color for one run, in the run's own for several). One run also shows its tokens/s on a second axis; several runs are drawn side
 by side on the same axes, each named.
 """
 
@@ -52,7 +52,8 @@ def save_loss_curves(
         axes.plot(steps, [r["loss"] for r in records], color=color, linewidth=1.4, label=name)
         held_out = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
         if held_out:
-            axes.plot(*zip(*held_out, strict=True), color=color, linewidth=1.2, linestyle="--",
+            shade = COLORS[1] if len(runs) == 1 else color
+            axes.plot(*zip(*held_out, strict=True), color=shade, linewidth=1.2, linestyle="--",
                       marker="o", markersize=3, label=f"{name} (validation)")  # fmt: skip
     records = next(iter(runs.values()))
     steps = [r["step"] for r in records]
