@@ -93,12 +93,14 @@ def options(files: dict[str, str], **changes) -> TrainOptions:
 # -- one launch: 2 gloo ranks ---------------------------------------------------------------------
 
 #: Evaluated around two training steps: DualPipeV (PP 2), data parallelism (1F1B on PP 1 x DP 2,
-#: all-reduce and FSDP2), and an MoE with DeepSeek-style balancing (1F1B on PP 2).
+#: all-reduce and FSDP2), an MoE with DeepSeek-style balancing (1F1B on PP 2), and the MoE's
+#: experts spread over 2 ranks (EP 2: its stages run as phases around all-to-alls).
 CHECKS = {
     "dualpipev": dict(val_fraction=0.1),
     "dp": dict(schedule="1f1b", dp=2, val_data=["VAL"]),
     "fsdp": dict(schedule="1f1b", dp=2, dp_mode="fsdp", val_data=["VAL"]),
     "moe": dict(model="MOE", schedule="1f1b", val_fraction=0.1, routing_bias_rate=0.01),
+    "ep": dict(model="MOE", schedule="1f1b", ep=2, val_fraction=0.1),
 }
 
 
@@ -154,7 +156,8 @@ def reference_loss(settings: TrainOptions, weights: dict[str, torch.Tensor] | No
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_the_pipelined_held_out_loss_is_one_process_loss(files, launched, name):
     """At the first weights and after two steps, on every rank, within 1e-5 (the MoE's without
-    its balancing term); twice at the same weights: the same value, bit for bit."""
+    its balancing term); twice at the same weights: the same value, bit for bit. The measured
+    timeline stays the last training step's."""
     settings = check_options(files, name)
     ranks = launched["checks"][name]
     first = reference_loss(settings, None)
@@ -166,6 +169,8 @@ def test_the_pipelined_held_out_loss_is_one_process_loss(files, launched, name):
     after = reference_loss(settings, weights)
     assert abs(after - first) > 1e-3  # the steps moved the weights: the check can fail
     assert ranks[0]["after"] == pytest.approx(after, rel=1e-5, abs=1e-6)
+    # gathered on each pipeline's first rank
+    assert ranks[0]["same_timeline"] is True and ranks[1]["same_timeline"] in (True, None)
 
 
 @pytest.mark.timeout(500)
