@@ -144,13 +144,37 @@ def check(options: TrainOptions) -> Footprint | None:
         from cutpipe.data import check_data
 
         # the workers read the same: a global batch of windows must be there
+        seq_len = task.tokens_per_sample
         summary = check_data(
-            options.data, seq_len=task.tokens_per_sample, windows=layout.batch,
+            options.data, seq_len=seq_len, windows=layout.batch,
             tokenizer=task.tokenizer, vocab=task.spec.vocab,
         )  # fmt: skip
         if summary.skipped.total:
             print(summary, flush=True)
+        if options.validates:
+            check_validation(options, summary, seq_len, layout.batch, task)
     return footprint
+
+
+def check_validation(options: TrainOptions, data: Any, seq_len: int, batch: int, task: Any) -> None:
+    """The validation set holds the global batches an evaluation reads, and with
+    ``--val-fraction`` the training part still holds one (``data``: ``--data``'s summary)."""
+    from cutpipe.data import check_data
+    from cutpipe.data.heldout import evaluation_batches
+    from cutpipe.data.loader import check_windows
+    from cutpipe.data.tokens import split_point
+
+    if options.val_fraction is not None:
+        fraction = options.val_fraction
+        cut = split_point(data.tokens, fraction)
+        check_windows(cut, seq_len, f"{data.corpus} without its held-out {fraction:g}", batch)
+        held, source = data.tokens - cut, f"the held-out {fraction:g} of {data.corpus}"
+    else:
+        found = check_data(options.val_data, tokenizer=task.tokenizer, vocab=task.spec.vocab)
+        if found.skipped.total:
+            print(f"validation {found}", flush=True)
+        held, source = found.tokens, f"--val-data {found.corpus}"
+    evaluation_batches(held, seq_len, batch, options.eval_steps, source)
 
 
 class WorkerInputError(ValueError):
@@ -262,6 +286,12 @@ def summary(result: dict[str, Any]) -> str | None:
     )
     if result["entropy"] is not None:
         line += f" (the corpus's unigram entropy: {result['entropy']:.4f})"
+    validation = result.get("validation")
+    if validation is not None:
+        line += (
+            f"; validation loss {validation['val_loss']:.4f} (perplexity "
+            f"{validation['val_ppl']:.2f}) after step {validation['step']}"
+        )
     speed = statistics.median(r["tokens_per_s"] for r in steady)
     unit = "tokens/s" if result["entropy"] is not None else "samples/s"
     line += f"; median {speed:,.0f} {unit}"

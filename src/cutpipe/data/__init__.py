@@ -8,7 +8,8 @@ records of ``.jsonl`` and ``.parquet`` files, ``tokenizer`` loads a ``tokenizer.
 checks and maps token files, ``prepare`` joins them (and ``load_tokens`` gives a run its tokens
 from a token file or from text), ``check`` looks at ``--data`` before workers start
 (``check_data``, no torch), ``entropy`` gives the unigram entropy (the loss a context-free model
-cannot beat) and ``loader`` yields resumable, replica-split batches.
+cannot beat), ``loader`` yields resumable, replica-split batches and ``heldout`` a validation
+set's, the same every time.
 Importing this package never imports torch; the functions that need it import it when called.
 """
 

@@ -14,8 +14,8 @@ replicas see disjoint windows that together make the global batch. An epoch has
 The position (epoch, batch index) is the loader's whole state: ``state_dict`` gives it with the
 seed, the shape and the tokens' fingerprint, and ``load_state_dict`` refuses a state from other
 tokens or another shape, so a resumed run sees exactly the batches the uninterrupted run would
-have. For a validation loss, build a loader on ``Tokens.split``'s held-out part and take the
-first batches of a fresh one each time: the same windows every time.
+have. A validation set is read in order instead, the same windows every time
+(``cutpipe.data.heldout``).
 """
 
 from __future__ import annotations

@@ -333,14 +333,7 @@ class Tokens:
     def split(self, holdout: float) -> tuple[Tokens, Tokens]:
         """(training, held-out) tokens: the last ``holdout`` share of the tokens is held out,
         for a validation loss on text the model never trained on."""
-        if not 0.0 < holdout < 1.0:
-            raise ValueError(f"the held-out share must be between 0 and 1, got {holdout}")
-        cut = len(self) - int(len(self) * holdout)
-        if cut in (0, len(self)):
-            raise ValueError(
-                f"holding out {holdout:g} of {len(self):,} tokens leaves one part empty: "
-                "use a holdout share nearer 0.5 or more data"
-            )
+        cut = split_point(len(self), holdout)
         return self._part(0, cut, "training"), self._part(cut, len(self), "held-out")
 
     def _part(self, start: int, stop: int, which: str) -> Tokens:
@@ -349,6 +342,20 @@ class Tokens:
         source = f"{self.source} ({which})"
         values = self.values[start:stop]
         return Tokens(values, self.vocab, fingerprint, source, self.tokenizer, self.eos)
+
+
+def split_point(count: int, holdout: float) -> int:
+    """Where ``Tokens.split`` cuts ``count`` tokens to hold out their last ``holdout`` share
+    (the launcher's pre-check counts the parts without reading them)."""
+    if not 0.0 < holdout < 1.0:
+        raise ValueError(f"the held-out share must be between 0 and 1, got {holdout}")
+    cut = count - int(count * holdout)
+    if cut in (0, count):
+        raise ValueError(
+            f"holding out {holdout:g} of {count:,} tokens leaves one part empty: "
+            "use a holdout share nearer 0.5 or more data"
+        )
+    return cut
 
 
 def is_token_file(path: str | os.PathLike) -> bool:

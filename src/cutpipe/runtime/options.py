@@ -48,7 +48,8 @@ class RunnerOptions:
     w_memory: the share of an activation a B keeps for its W, for the activation meter.
     dynamic_shapes: boundary shapes may change at a fixed input shape: send them every step.
     sync_copies: start DualPipe's two copies of each stage equal (the lower rank's wins).
-    record_timeline: measure when each op starts and ends (``PipelineRunner.timeline()``).
+    record_timeline: measure when each op of a training step starts and ends
+        (``PipelineRunner.timeline()``; forward-only steps are not recorded).
     prefetch: how many ops ahead receives are posted.
     loss_on_every_rank: all-reduce the loss so that every rank returns it (None: yes, except
         with ``step_boundary="overlap"``, where that all-reduce would end every step with a wait

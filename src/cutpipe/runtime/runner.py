@@ -230,6 +230,7 @@ class PipelineRunner:
         self._reducer = options.reducer if options.emulate is None else None
         self._stage_parameters = _parameters_by_stage(self._program, self._modules)
         self._times: tuple[list[float], list[float]] | None = None
+        self._recording = False  # whether the step running now is recorded
         self._ops: list = self._program.ops
         self._last_signature: list[int] | None = None
         self._handoff: dict[tuple[int, int, int], Value] = {}
@@ -528,10 +529,6 @@ class PipelineRunner:
             raise ValueError(
                 f"rank {self.rank} holds the last stage: pass the targets to step() for training"
             )
-        if self.options.record_timeline and not training:
-            raise ValueError(
-                "record_timeline measures training steps; run step() with grad enabled"
-            )
         m = self.schedule.num_microbatches
         batch = to_microbatches(inputs, "inputs", m, self.device) if needs_inputs else None
         split_targets: list[Any] = []
@@ -581,7 +578,9 @@ class PipelineRunner:
     def _run(self, program: RankProgram, batch: list[Any] | None) -> None:
         """Walk this rank's program: inputs from the transport (or this rank), the op on the
         executor, outputs to the transport (or this rank)."""
-        record = self.options.record_timeline
+        # forward-only steps (an evaluation) are not recorded: timeline() keeps the last
+        # training step's
+        record = self._recording = self.options.record_timeline and torch.is_grad_enabled()
         starts: list[float] = []
         ends: list[float] = []
         origin = 0.0
@@ -607,7 +606,8 @@ class PipelineRunner:
             if reducer is not None and index in grads_done:
                 for stage in grads_done[index]:  # the stage's reduction hides behind the rest
                     reducer.stage_done(stage, self._stage_parameters[stage])
-        self._times = (starts, ends) if record else None
+        if record:
+            self._times = (starts, ends)
 
     def _run_op(
         self, op: Any, batch: list[Any] | None, index: int, starts: list[float],
@@ -615,7 +615,7 @@ class PipelineRunner:
     ) -> None:  # fmt: skip
         """Inputs from the transport (or this rank), the op on the executor, outputs to the
         transport (or this rank); its start and end times if the step is recorded."""
-        executor, record, clock = self._executor, self.options.record_timeline, self._clock
+        executor, record, clock = self._executor, self._recording, self._clock
         if type(op) is Pair:
             values = self._input(op.forward, batch)
             grads = self._gradient(op.backward)

@@ -17,7 +17,8 @@ from cutpipe.train.options import TrainOptions
 
 class MetricsLog:
     """One JSON object per optimizer step: step, loss, lr, grad norm, tokens/s, step time,
-    measured bubble, peak activation bytes. A resumed run appends after the steps it keeps."""
+    measured bubble, peak activation bytes; a step after which the run evaluated adds
+    ``val_loss``, ``val_ppl`` and ``val_time``. A resumed run appends after the steps it keeps."""
 
     def __init__(self, path: str | None, append: bool = False) -> None:
         self._file = None
@@ -55,7 +56,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 class ProgressLine:
-    """A rich progress bar: step, loss, tokens/s, measured bubble, time left."""
+    """A rich progress bar: step, loss, tokens/s, measured bubble, the latest validation loss,
+    time left."""
 
     def __init__(self, options: TrainOptions, trainer: Any, resumed: int | None) -> None:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -71,6 +73,7 @@ class ProgressLine:
             title = f"{trainer.schedule.name} on {trainer.world} ranks, emulated"
         if resumed:
             title += f" (resumed after step {resumed})"
+        self._validation = ""  # the latest evaluation's, shown until the next
         self._task = self._progress.add_task(
             title, total=options.steps, completed=trainer.step, status=""
         )
@@ -83,6 +86,9 @@ class ProgressLine:
             status += f"  load {max(record.expert_load.values()):.2f}x"
         if record.bubble is not None:
             status += f"  bubble {record.bubble:.1%}"
+        if getattr(record, "val_loss", None) is not None:
+            self._validation = f"  val {record.val_loss:.4f}"
+        status += self._validation
         self._progress.update(self._task, completed=record.step, status=status)
 
     def close(self) -> None:

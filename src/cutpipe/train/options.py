@@ -12,6 +12,7 @@ every option.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,17 @@ def step_range(text: str) -> tuple[int, int]:
     if pair[0] < 1 or pair[1] < pair[0]:
         raise ValueError(f"expected 1 <= A <= B, got {text!r}")
     return pair
+
+
+def held_out_share(text: str) -> float:
+    """A share strictly between 0 and 1 (``--val-fraction``)."""
+    try:
+        share = float(text)
+    except ValueError:
+        share = math.nan
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"expected a share between 0 and 1, e.g. 0.05, got {text!r}")
+    return share
 
 
 SOURCE = "schedule source"
@@ -150,6 +162,29 @@ class DataOptions:
         None, "sequences (samples) per optimizer step, over every replica and accumulated "
         f"pipeline step (default: {GLOBAL_BATCH_MICROBATCHES} x the model's microbatch size, "
         "whatever the layout)", Whole(1),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EvaluationOptions:
+    """validation: a held-out loss during training (cutpipe.train.evaluate)"""
+
+    val_data: tuple[str, ...] = option(
+        (), "validation text files, folders or a prepared token file, read like --data",
+        Text(), metavar="PATH", many=True,
+    )  # fmt: skip
+    val_fraction: float | None = option(
+        None, "hold out this last share of the training tokens (0 < F < 1) for validation; "
+        "training reads only the rest", Custom(held_out_share, float), metavar="F",
+    )  # fmt: skip
+    eval_every: int | None = option(
+        None, "steps between evaluations, and one after the last step (default: only after "
+        "the last step when there is a validation set; 0: never)", Whole(0, 10**9),
+        metavar="STEPS",
+    )  # fmt: skip
+    eval_steps: int | None = option(
+        None, "global batches per evaluation, the same ones every time (default: all of the "
+        "validation set, at most 8)", Whole(1, 10**6), metavar="N",
     )  # fmt: skip
 
 
@@ -299,6 +334,7 @@ GROUPS = {
     "pipeline": ScheduleOptions,
     "run": ModelOptions,
     "inputs": DataOptions,
+    "evaluation": EvaluationOptions,
     "optimizer": OptimizerOptions,
     "parallel": ParallelOptions,
     "checkpoints": CheckpointOptions,
@@ -347,6 +383,7 @@ class TrainOptions:
     pipeline: ScheduleOptions = field(default_factory=ScheduleOptions)
     run: ModelOptions = field(default_factory=ModelOptions)
     inputs: DataOptions = field(default_factory=DataOptions)
+    evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
     checkpoints: CheckpointOptions = field(default_factory=CheckpointOptions)
@@ -370,7 +407,7 @@ class TrainOptions:
         for key, value in settings.items():
             if key not in owner:
                 raise TypeError(f"TrainOptions has no option {key!r}")
-            groups[owner[key]][key] = tuple(value) if key == "data" else value
+            groups[owner[key]][key] = tuple(value) if key in ("data", "val_data") else value
         return cls(**{name: GROUPS[name](**groups[name]) for name in GROUPS})
 
     def replace(self, **settings: Any) -> TrainOptions:
@@ -440,11 +477,42 @@ class TrainOptions:
             )
         if self.emulate and self.ep > 1:
             problems += expert_emulation_problems(self.costs)
+        problems += self._validation_conflicts()
         if self.emulate and self.runner_steps:
             problems.append(
                 "--emulate trains nothing: drop --step-boundary overlap and --skip-nonfinite"
             )
         return problems
+
+    def _validation_conflicts(self) -> list[str]:
+        """What the validation options say that cannot hold together."""
+        problems = []
+        if self.val_data and self.val_fraction is not None:
+            problems.append(
+                "--val-data and --val-fraction both give a validation set: give one of them"
+            )
+        if self.val_fraction is not None and not 0.0 < self.val_fraction < 1.0:
+            problems.append(
+                f"val_fraction (--val-fraction) is the share of the tokens held out: give one "
+                f"between 0 and 1, not {self.val_fraction}"
+            )
+        if not self.validates:
+            given = [flag for flag, value in (("--eval-every", self.eval_every),
+                                              ("--eval-steps", self.eval_steps)) if value]  # fmt: skip
+            if given:
+                needs = "needs" if len(given) == 1 else "need"
+                problems.append(
+                    f"{' and '.join(given)} {needs} a validation set: give --val-data or "
+                    "--val-fraction"
+                )
+        elif self.emulate:
+            problems.append("--emulate trains nothing to evaluate: drop --val-data/--val-fraction")
+        return problems
+
+    @property
+    def validates(self) -> bool:
+        """Whether the run has a validation set (``--val-data`` or ``--val-fraction``)."""
+        return bool(self.val_data) or self.val_fraction is not None
 
     @property
     def simulated_costs(self) -> Costs:

@@ -4,9 +4,10 @@ Every checkpoint carries the run's record (``run_record``): the options that sha
 and what they resolved to (the model's sizes, the global batch, the schedule...). On resume the
 record is compared with the new run's:
 
-- **refused** (another value is another run): the model, the data, the tokenizer that made its
-  tokens (its digest, or bytes), the sequence length, the seed, the global batch, the
-  accumulation, and whether an MoE holds a balancing bias. One line names each with both values;
+- **refused** (another value is another run): the model, the data (and the share of it held
+  out for validation), the tokenizer that made its tokens (its digest, or bytes), the sequence
+  length, the seed, the global batch, the accumulation, and whether an MoE holds a balancing
+  bias. One line names each with both values;
 - **applied**, and named in one line: the learning rate and its schedule (``lr``, ``warmup``,
   ``min_lr_ratio``, ``steps``), weight decay, clipping, the layout (schedule, microbatches,
   replicas, expert parallelism, data-parallel mode: checkpoints reshard, experts saved under
@@ -33,7 +34,10 @@ if TYPE_CHECKING:
     from cutpipe.train.tasks import Task
 
 #: What defines the run: a checkpoint resumed with another value would continue another run.
-FIXED = ("model", "data", "tokenizer", "seq_len", "seed", "batch", "grad_accum", "routing_bias")
+FIXED = (
+    "model", "data", "tokenizer", "seq_len", "seed", "batch", "grad_accum", "routing_bias",
+    "val_fraction",
+)  # fmt: skip
 #: What a resumed run may change; the new value applies from the resumed step on.
 CHANGEABLE = (
     "lr", "warmup", "min_lr_ratio", "steps", "weight_decay", "clip", "schedule",
@@ -55,6 +59,7 @@ def run_record(options: TrainOptions, task: Task, layout: RunLayout) -> dict[str
         "model": spec,
         "data": list(options.data),
         "tokenizer": getattr(task, "data_tokenizer", None),  # its digest, or "bytes"
+        "val_fraction": options.val_fraction,  # what of the data is trained on
         "seq_len": task.tokens_per_sample,
         "seed": options.seed,
         "batch": layout.batch,

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from cutpipe.data.tokens import Tokens
     from cutpipe.train.options import TrainOptions
 
 
@@ -80,6 +81,11 @@ class Task(Protocol):
 
     def loader(self, batch: int, seed: int) -> Loader: ...
 
+    def validation(self) -> Tokens | None:
+        """The held-out tokens of ``--val-data`` or ``--val-fraction`` (None: no validation
+        set), once ``loader`` has read the training tokens."""
+        ...
+
     def baseline(self) -> float | None:
         """A loss to read the run's against (a context-free model's), once the data is loaded."""
         ...
@@ -95,6 +101,12 @@ def task_for(options: TrainOptions) -> Task:
     if options.init_from:
         _check_weights(spec, options.init_from, options.seq_len)
     if isinstance(spec, MlpSpec):
+        if options.validates:
+            raise ValueError(
+                f"--model {options.model} is the example MLP, which trains on fresh synthetic "
+                "batches every step (its training loss is already on unseen samples): drop "
+                "--val-data/--val-fraction, or train a language model (--model FILE)"
+            )
         if options.data or options.tokenizer:
             raise ValueError(
                 f"--model {options.model} is the example MLP on synthetic data: drop --data and "
@@ -108,8 +120,9 @@ def task_for(options: TrainOptions) -> Task:
             "no experts: drop them"
         )
     routing = RoutingOptions(options.capacity_factor, bias=options.routing_bias_rate > 0)
+    held_out = {"val_data": options.val_data, "val_fraction": options.val_fraction}
     return LanguageModelTask(
-        spec, options.data, options.aux_weight, routing, tokenizer=options.tokenizer
+        spec, options.data, options.aux_weight, routing, tokenizer=options.tokenizer, **held_out
     )
 
 
@@ -146,6 +159,9 @@ class LanguageModelTask:
     aux_weight: float = 0.01
     routing: RoutingOptions | None = None  # an MoE's capacity and balancing bias
     tokenizer: str | None = None  # --tokenizer: a tokenizer.json, or a folder holding one
+    #: the validation set: other data, or the last share of ``data`` (which training then skips)
+    val_data: tuple[str, ...] = ()
+    val_fraction: float | None = None
     loss_words = "nats/token"
 
     def __post_init__(self) -> None:
@@ -156,6 +172,7 @@ class LanguageModelTask:
         self._entropy: float | None = None
         #: the digest of the tokenizer the data was made by (``BYTES`` for bytes), once loaded
         self.data_tokenizer: str | None = None
+        self._held_out: Tokens | None = None
 
     def num_blocks(self) -> int:
         return self.spec.layers + 2  # the embedding, the layers, the head
@@ -225,8 +242,23 @@ class LanguageModelTask:
         tokens = load_tokens(self.data, tokenizer=self.tokenizer)
         check_vocab(self.spec.vocab, tokens.vocab, tokens.tokenizer, tokens.source)
         self.data_tokenizer = tokens.tokenizer
+        if self.val_fraction is not None:  # training never reads the held-out tokens
+            tokens, self._held_out = tokens.split(self.val_fraction)
+        elif self.val_data:
+            self._held_out = load_tokens(self.val_data, tokenizer=self.tokenizer)
+            held = self._held_out
+            check_vocab(self.spec.vocab, held.vocab, held.tokenizer, held.source)
+            if held.tokenizer != tokens.tokenizer:
+                raise ValueError(
+                    f"--val-data {held.source} was made by another tokenizer than --data "
+                    f"{tokens.source} ({held.tokenizer[:12]} vs {tokens.tokenizer[:12]}): prepare "
+                    "both with the same one"
+                )
         self._entropy = unigram_entropy(tokens)
         return TokenLoader(tokens, self.spec.seq_len, batch, seed=seed)
+
+    def validation(self) -> Tokens | None:
+        return self._held_out
 
     def baseline(self) -> float | None:
         return self._entropy
@@ -286,6 +318,9 @@ class RegressionTask:
 
         teacher = mlp(self.spec.blocks, self.spec.width, seed=epoch_seed(seed, -1))
         return RegressionLoader(self.spec.width, batch, seed, teacher)
+
+    def validation(self) -> Tokens | None:
+        return None  # refused in task_for: every batch is new
 
     def baseline(self) -> float | None:
         return None

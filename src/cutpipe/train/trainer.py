@@ -22,12 +22,15 @@ import signal
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from cutpipe.train.options import TrainOptions
+
+if TYPE_CHECKING:
+    from cutpipe.train.evaluate import Evaluation, Evaluator
 
 
 @dataclass
@@ -47,9 +50,18 @@ class StepRecord:
     balance_loss: float | None = None
     expert_load: dict[str, float] | None = None
     dropped: int | None = None
+    #: after an evaluation (``cutpipe.train.evaluate``): the held-out loss, its perplexity and
+    #: the evaluation's seconds (not in ``step_time``); the log writes them only then
+    val_loss: float | None = None
+    val_ppl: float | None = None
+    val_time: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        fields = dict(self.__dict__)
+        if self.val_loss is None:
+            for name in ("val_loss", "val_ppl", "val_time"):
+                del fields[name]
+        return fields
 
 
 def init_distributed(backend: str) -> tuple[int, int, torch.device]:
@@ -119,6 +131,8 @@ class Trainer:
             self.layout.pipeline_ranks, ep=options.ep, dp=options.dp, device_type=self.device.type
         )
         self._unchecked: StepRecord | None = None  # an overlapped step awaiting its verdict
+        self.evaluator: Evaluator | None = None  # a validation set's
+        self.validation: dict[str, float] | None = None  # the latest evaluation's, checkpointed
         self.step = 0  # optimizer steps done
         self.checkpoints = None
         if options.emulate:
@@ -126,6 +140,9 @@ class Trainer:
             return
         self._build()
         self.loader = self.task.loader(self.batch, options.seed)
+        from cutpipe.train.evaluate import Evaluator
+
+        self.evaluator = Evaluator.of_run(options, self.task, self.batch)
         if options.checkpoint_dir:
             from cutpipe.train.checkpoint import Checkpointer
 
@@ -177,8 +194,9 @@ class Trainer:
         # activations, op by op (what a W keeps included): parameters are not activations
         held_parameters = [p for stage in self.parallel.stages.values() for p in stage.parameters()]
         self.meter = SavedMeter(exclude=[local_shard(p) for p in held_parameters])
+        self.loss_fn = self.task.loss()
         self.runner = PipelineRunner(
-            self.schedule, self.parallel.stages, self.task.loss(), group=self.mesh.pp_group,
+            self.schedule, self.parallel.stages, self.loss_fn, group=self.mesh.pp_group,
             record_timeline=self.records_timelines, step_timeout=options.step_timeout,
             reducer=self.parallel.reducer, op_meter=self.meter, **boundary,
         )  # fmt: skip
@@ -255,7 +273,10 @@ class Trainer:
         from cutpipe.train.resume import run_record
 
         record = run_record(self.options, self.task, self.layout)
-        return {"step": self.step, "loader": self.loader.state_dict(), "run": record}
+        state = {"step": self.step, "loader": self.loader.state_dict(), "run": record}
+        if self.validation is not None:
+            state["validation"] = self.validation
+        return state
 
     def resume(self, restarted: bool = False) -> int | None:
         """Begin in the checkpoint directory as the options say (a new run is refused where
@@ -289,6 +310,7 @@ class Trainer:
             print(said, flush=True)
         self.step = step
         self.loader.load_state_dict(extra["loader"])
+        self.validation = extra.get("validation")
         return self.step
 
     def save(self) -> float:
@@ -305,6 +327,18 @@ class Trainer:
             self._state(),
         )
         return time.perf_counter() - start
+
+    # -- validation -------------------------------------------------------------------------------
+
+    def evaluate(self) -> Evaluation:
+        """The held-out loss of the model as it is now (every rank calls it; ``Evaluation``);
+        the latest is kept for checkpoints."""
+        evaluation = self.evaluator.run(self)
+        # the same on every rank (the time is not): what checkpoints keep
+        self.validation = {
+            "step": evaluation.step, "val_loss": evaluation.loss, "val_ppl": evaluation.perplexity
+        }  # fmt: skip
+        return evaluation
 
     # -- one step ---------------------------------------------------------------------------------
 
@@ -508,12 +542,16 @@ def train(options: TrainOptions) -> dict[str, Any]:
     profiler = Profiler(options, rank, first_step=trainer.step + 1)
     records: list[StepRecord] = []
     stalls: list[float] = []
+    evaluated: dict[int, dict[str, float]] = {}  # step: the fields its record gains
     failed = True
     try:
         while trainer.step < options.steps:
             _maybe_fault(rank, trainer.step + 1)
             ready = trainer.train_step()
             profiler.step()
+            if trainer.evaluator is not None and trainer.evaluator.due(trainer.step):
+                evaluated[trainer.step] = trainer.evaluate().fields()  # after the step's time
+                ready += trainer.settled()  # the evaluation read the verdict on the step
             every = options.checkpoint_every
             if trainer.checkpoints is not None and (
                 (every and trainer.step % every == 0) or trainer.step == options.steps
@@ -523,6 +561,8 @@ def train(options: TrainOptions) -> dict[str, Any]:
             elif trainer.step == options.steps:
                 ready += trainer.settled()
             for record in ready:
+                if record.step in evaluated:
+                    record = replace(record, **evaluated.pop(record.step))
                 if not (math.isfinite(record.loss) or options.skip_nonfinite or options.emulate):
                     raise FloatingPointError(
                         f"the loss became {record.loss} at step {record.step}: lower --lr, use "
@@ -553,6 +593,7 @@ def train(options: TrainOptions) -> dict[str, Any]:
         "resumed_from": resumed,
         "entropy": trainer.task.baseline(),
         "checkpoint_stall": stalls,
+        "validation": trainer.validation,
         "records": [r.to_dict() for r in records],
         "timeline": None if timeline is None else timeline.to_dict(),
         "stage_sizes": list(trainer.layout.stage_sizes),

@@ -1,11 +1,13 @@
 """Training runs' loss curves, from their metrics logs, as PNG or SVG.
 
 The dashed line is the corpus's unigram entropy: the loss of a model that ignores context, so
-the gap below it is what the model learned from context. The learning rate is drawn on a second
-axis (a log without it, from an older cutpipe: the tokens/s), and a run's median throughput is
-named in its legend; several runs are drawn side by side on the same axes, each named. A log's
-first record says what ran (``run``: model, schedule, learning-rate schedule), which titles the
-picture.
+the gap below it is what the model learned from context. A run that evaluated on held-out data
+(``val_loss`` in its records) also shows that loss, dashed with a marker at each evaluation (in
+the next color for one run, in the run's own for several). The learning rate is drawn on a
+second axis (a log without it, from an older cutpipe: the tokens/s), and a run's median
+throughput is named in its legend; several runs are drawn side by side on the same axes, each
+named. A log's first record says what ran (``run``: model, schedule, learning-rate schedule),
+which titles the picture.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def save_loss_curve(
     records: Sequence[dict[str, Any]], path: str | Path, entropy: float | None = None,
     title: str = "",
 ) -> int:  # fmt: skip
-    """Loss (and tokens/s, on a second axis) against step; the number of steps drawn."""
+    """Loss (and the learning rate, on a second axis) against step; the number of steps drawn."""
     return save_loss_curves({"loss": records}, path, entropy, title)
 
 
@@ -52,6 +54,11 @@ def save_loss_curves(
         steps = [r["step"] for r in records]
         label = name + _speed(records)
         axes.plot(steps, [r["loss"] for r in records], color=color, linewidth=1.4, label=label)
+        held_out = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+        if held_out:
+            shade = COLORS[1] if len(runs) == 1 else color
+            axes.plot(*zip(*held_out, strict=True), color=shade, linewidth=1.2, linestyle="--",
+                      marker="o", markersize=3, label=f"{name} (validation)")  # fmt: skip
     records = next(iter(runs.values()))
     steps = [r["step"] for r in records]
     if entropy is not None:
