@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from cutpipe.cli.main import main
-from cutpipe.models.generate import Sampling, byte_codec, from_checkpoint, from_hf_folder, generate
+from cutpipe.models.generate import Sampling, generate
+from cutpipe.train.trained import byte_codec, from_checkpoint, from_hf_folder
 
 transformers = pytest.importorskip("transformers")
 

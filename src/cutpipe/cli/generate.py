@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from cutpipe.cli.common import description, real, require_torch, whole_number
 
 if TYPE_CHECKING:
-    from cutpipe.models.generate import Codec
+    from cutpipe.train.trained import Codec
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
             "a Hugging Face model folder"
         )
     require_torch()
-    from cutpipe.models.generate import Sampling, from_checkpoint, from_hf_folder, generate
+    from cutpipe.models.generate import Sampling, generate
+    from cutpipe.train.trained import from_checkpoint, from_hf_folder
 
     sampling = Sampling(args.temperature, args.top_k, args.seed)
     hf = (source / "config.json").is_file()
@@ -88,7 +89,7 @@ def tokenizer_codec(path: str) -> Codec:
     """Encode and decode with a Hugging Face ``tokenizer.json`` (the ``tokenizers`` library);
     generation stops at its end-of-sequence token when it has one."""
     from cutpipe.data.tokenizer import load_tokenizer, require, tokenizer_digest, tokenizer_file
-    from cutpipe.models.generate import Codec
+    from cutpipe.train.trained import Codec
 
     library = require("tokenizers", "--tokenizer")
     file = tokenizer_file(path)
