@@ -277,21 +277,25 @@ def test_mixtral_with_expert_parallelism_starts_from_transformers_loss(tmp_path)
     import train_workers as workers
 
     from cutpipe.launch import run
-    from cutpipe.models import LanguageModelLoss
     from cutpipe.train.options import TrainOptions
-    from cutpipe.train.tasks import LanguageModelTask
 
     folder = tmp_path / "hf"
-    theirs = hf_model("mixtral", folder)
-    spec = load_model_config(folder)
-    inputs, targets = next(LanguageModelTask(spec).loader(8, 0))
-    with torch.no_grad():
-        logits = theirs(inputs).logits
-    expected = float(LanguageModelLoss(0.0)((logits, torch.zeros(())), targets))
+    expected = first_loss(hf_model("mixtral", folder), folder)
     options = TrainOptions.build(init_from=str(folder), schedule="dualpipev", ep=2, steps=1,
                                  microbatches=4, global_batch=8, aux_weight=0.0, quiet=True)  # fmt: skip
     result = run(workers.train_rank, 4, (options,), timeout=240)[0]
     assert result["losses"][0] == pytest.approx(expected, rel=1e-5)
+
+
+def first_loss(theirs: torch.nn.Module, folder: Path) -> float:
+    """``transformers``' loss on the trainer's first batch of 8 sequences (no balancing term)."""
+    from cutpipe.models import LanguageModelLoss
+    from cutpipe.train.tasks import LanguageModelTask
+
+    inputs, targets = next(LanguageModelTask(load_model_config(folder)).loader(8, 0))
+    with torch.no_grad():
+        logits = theirs(inputs).logits
+    return float(LanguageModelLoss(0.0)((logits, torch.zeros(())), targets))
 
 
 @pytest.mark.timeout(400)
@@ -302,17 +306,10 @@ def test_deepseek_pipelined_and_expert_parallel_start_from_transformers_loss(tmp
     import train_workers as workers
 
     from cutpipe.launch import run
-    from cutpipe.models import LanguageModelLoss
     from cutpipe.train.options import TrainOptions
-    from cutpipe.train.tasks import LanguageModelTask
 
     folder = tmp_path / "hf"
-    theirs = hf_model("deepseek_v3", folder)
-    spec = load_model_config(folder)
-    inputs, targets = next(LanguageModelTask(spec).loader(8, 0))
-    with torch.no_grad():
-        logits = theirs(inputs).logits
-    expected = float(LanguageModelLoss(0.0)((logits, torch.zeros(())), targets))
+    expected = first_loss(hf_model("deepseek_v3", folder), folder)
     settings = dict(init_from=str(folder), schedule="dualpipev", steps=1, microbatches=4, global_batch=8,
                     aux_weight=0.0, quiet=True)  # fmt: skip
     for ranks, ep in ((2, 1), (4, 2)):
