@@ -13,10 +13,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-WORDS = (
+#: The sentence every line of the dataset is a stretch of (wrapping around).
+SENTENCE = (
     "the pipeline runs each stage forward then backward while the next rank waits for its "
     "activation and the bubble shrinks when weight gradients fill the idle time"
-).split()
+)
+WORDS = SENTENCE.split()
 
 
 def sentences(count: int, seed: int) -> list[str]:
