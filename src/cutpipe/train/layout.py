@@ -158,6 +158,8 @@ def fitting_microbatches(schedule: str, ranks: int, share: int, options: TrainOp
     preferred = default_microbatches(schedule, ranks)
     least = info.min_microbatches(ranks)
     fitting = [m for m in _divisors(share) if m >= least and info.accepts(ranks, m)]
+    if not fitting and not info.accepts(ranks, preferred):
+        return preferred  # the shape itself is refused: the schedule says why
     if not fitting:
         wanted = least * options.grad_accum * options.dp * options.ep
         given = "--global-batch" if options.global_batch else "the default global batch"
