@@ -34,7 +34,7 @@ def test_dense_7b_has_llama_2_7b_parameter_count():
 def test_example_models_load_and_moe_is_moe():
     names = {p.stem: ModelSpec.load(p) for p in EXAMPLES.glob("*.yaml") if p.stem != "mlp"}
     assert set(names) == {"dense-7b", "moe-40l", "deepseek-v3-like", "llama3-405b", "tiny-dense",
-                          "tiny-moe"}  # fmt: skip
+                          "tiny-moe", "tiny-bpe"}  # fmt: skip
     assert not names["dense-7b"].moe and names["moe-40l"].moe
     assert not names["tiny-dense"].moe and names["tiny-moe"].moe
     assert names["moe-40l"].layers == 40 and names["moe-40l"].experts == 8

@@ -86,7 +86,7 @@ def one_thread_per_worker() -> Iterator[None]:
 
 def options(files: dict[str, str], **changes) -> TrainOptions:
     settings = dict(model=files["dense"], data=[files["train"]], schedule="dualpipev", steps=3,
-                    microbatches=4, batch=8, quiet=True, eval_steps=3)  # fmt: skip
+                    microbatches=4, global_batch=8, quiet=True, eval_steps=3)  # fmt: skip
     return TrainOptions.build(**{**settings, **changes})
 
 
@@ -138,11 +138,11 @@ def reference_loss(settings: TrainOptions, weights: dict[str, torch.Tensor] | No
     """One process's held-out loss: the whole model (at its first weights, or ``weights``) on
     the validation windows, cross entropy averaged over each batch, then over the batches."""
     task = task_for(settings)
-    task.loader(settings.batch, settings.seed)
+    task.loader(settings.global_batch, settings.seed)
     model = task.build(settings.seed)
     if weights is not None:
         model.load_state_dict(weights)
-    batches = HeldOutBatches(task.validation(), task.tokens_per_sample, settings.batch,
+    batches = HeldOutBatches(task.validation(), task.tokens_per_sample, settings.global_batch,
                              settings.eval_steps)  # fmt: skip
     with torch.no_grad():
         losses = [
@@ -337,7 +337,7 @@ BAD = [
 def test_bad_validation_input_is_one_line_and_status_2(files, capsys, given, said):
     given = [{"VAL": files["val"], "TINY": files["tiny"]}.get(g, g) for g in given]
     model = [] if "--model" in given else ["--model", files["dense"], "--data", files["train"]]
-    args = ["train", "--nproc", "2", "-s", "1f1b", "-m", "4", "--batch", "8", *model, *given]
+    args = ["train", "--nproc", "2", "-s", "1f1b", "-m", "4", "--global-batch", "8", *model, *given]
     code = main(args)
     _, err = capsys.readouterr()
     assert code == 2
