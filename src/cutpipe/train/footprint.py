@@ -13,6 +13,7 @@ says so with the estimate (``oom_kills``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +103,7 @@ def _transformer(
     items = model_items(sized, gpu("H100"), ep=options.ep, training=training)
     sizes = list(layout.stage_sizes)
     costs = stage_costs(items, sizes, 0.0, w_memory(sized))
-    starts = [0, *_running(sizes)]
+    starts = [0, *itertools.accumulate(sizes)]
     stage_parameters, stage_state = [], []
     for s, size in enumerate(sizes):
         part = items[starts[s] : starts[s] + size]
@@ -126,14 +127,6 @@ def _per_rank(
         [sum(activations[s] for s in placement.stages_of(r)) for r in ranks],
         [sum(parameters[s] for s in placement.stages_of(r)) for r in ranks],
     )
-
-
-def _running(sizes: list[int]) -> list[int]:
-    total, out = 0, []
-    for size in sizes:
-        total += size
-        out.append(total)
-    return out
 
 
 def _gib(count: float) -> str:
