@@ -6,7 +6,7 @@ record is compared with the new run's:
 
 - **refused** (another value is another run): the model, the data (and the share of it held
   out for validation), the tokenizer that made its tokens (its digest, or bytes), the sequence
-  length, the seed, the global batch, the accumulation, and whether an MoE holds a balancing
+  length, ``--seed``, the global batch, the accumulation, and whether an MoE holds a balancing
   bias. One line names each with both values;
 - **applied**, and named in one line: the learning rate and its schedule (``lr``, ``warmup``,
   ``min_lr_ratio``, ``steps``), weight decay, clipping, the layout (schedule, microbatches,
