@@ -81,7 +81,7 @@ class Evaluator:
         start = time.perf_counter()
         runner, mesh = trainer.runner, trainer.mesh
         total = torch.zeros((), dtype=torch.float64, device=trainer.device)
-        with torch.no_grad(), trainer._autocast(), cross_entropy_only(trainer.loss_fn):
+        with torch.no_grad(), trainer.autocast(), cross_entropy_only(trainer.loss_fn):
             for inputs, targets in self.batches:
                 inputs, targets = inputs.to(trainer.device), targets.to(trainer.device)
                 loss = runner.step(mesh.shard(inputs), mesh.shard(targets))

@@ -342,7 +342,8 @@ class Trainer:
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The precision the run computes in: bf16 autocast, or as is (training and evaluation)."""
         if self.options.dtype == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
@@ -397,7 +398,7 @@ class Trainer:
         inputs, targets = self._batch()
         lr = self.optimizer.param_groups[0]["lr"]
         self.meter.reset()
-        with self._autocast(), self.meter:
+        with self.autocast(), self.meter:
             self.runner.step(inputs, targets, optimizer=self.optimizer)
         self.scheduler.step()
         self.step += 1
@@ -432,7 +433,7 @@ class Trainer:
                 yield batch
 
         self.meter.reset()
-        with self._autocast(), self.meter:
+        with self.autocast(), self.meter:
             loss = accumulate(self.runner, batches())
         loss = float(self.mesh.average(loss))
         timeline = self.runner.timeline()
