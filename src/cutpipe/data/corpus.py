@@ -156,6 +156,11 @@ def source_documents(
             yield from parquet_documents(file, source.name, text_field, advance, size)
 
 
+def _check_cap(max_bytes: int | None) -> None:
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"the size cap must be at least 1 byte, got {max_bytes}")
+
+
 def corpus_documents(
     sources: Iterable[Source],
     max_bytes: int | None = None,
@@ -165,8 +170,7 @@ def corpus_documents(
 ) -> Iterator[tuple[Source, bytes]]:
     """Every document of ``sources`` in order with its file, the last one cut where the
     documents reach ``max_bytes`` in all (``corpus_chunks`` for what is skipped or refused)."""
-    if max_bytes is not None and max_bytes < 1:
-        raise ValueError(f"the size cap must be at least 1 byte, got {max_bytes}")
+    _check_cap(max_bytes)
     skipped = Skipped() if skipped is None else skipped
     left = max_bytes
     for source in sources:
@@ -194,8 +198,7 @@ def corpus_chunks(
     readable regular text file is skipped and counted in ``skipped``, unless the user named it
     (an error then).
     """
-    if max_bytes is not None and max_bytes < 1:
-        raise ValueError(f"the size cap must be at least 1 byte, got {max_bytes}")
+    _check_cap(max_bytes)
     left = max_bytes
     first = True
     for source, document in corpus_documents(sources, None, skipped, text_field, advance):

@@ -13,7 +13,6 @@ says so with the estimate (``oom_kills``).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 from cutpipe.spec import ModelSpec
 
 if TYPE_CHECKING:
+    from cutpipe.sim.costs import Costs
     from cutpipe.train.layout import RunLayout
     from cutpipe.train.options import TrainOptions
     from cutpipe.train.tasks import Task
@@ -67,29 +67,44 @@ class Footprint:
 
 
 def estimate(task: Task, layout: RunLayout, options: TrainOptions) -> Footprint:
-    """The run's footprint per pipeline rank (``layout`` from ``run_layout``)."""
+    """The run's footprint per pipeline rank (``layout`` from ``run_layout``): each stage's
+    parameters and state summed over the stages a rank stores, and the activations its
+    schedule keeps at once (``cutpipe.sim.memory.peak_activations``)."""
+    from cutpipe.sim.costs import Costs
+    from cutpipe.sim.memory import peak_activations
+
     schedule, sizes = layout.schedule, list(layout.stage_sizes)
     per_microbatch = layout.batch // (layout.replicas * schedule.num_microbatches)
     spec = getattr(task, "spec", None)
     if isinstance(spec, ModelSpec):
-        state, activations, parameters = _transformer(spec, layout, options, per_microbatch)
-    else:  # the example MLP: its blocks are alike
+        costs, state = _transformer_stages(spec, sizes, options, per_microbatch)
+    else:  # the example MLP: alike blocks, each keeping its input and output
         width = spec.width  # type: ignore[union-attr]
-        block = (width + 1) * width
-        stage_parameters = [size * block for size in sizes]
-        state = [STATE_BYTES * p for p in stage_parameters]
-        activations = [4.0 * per_microbatch * width * 2 * size for size in sizes]
-        parameters = stage_parameters
-        state, activations, parameters = _per_rank(layout, state, activations, parameters)
-    return Footprint(state, activations, parameters, layout.replicas)
+        parameters = [size * (width + 1) * width for size in sizes]
+        kept = [4.0 * per_microbatch * width * 2 * size for size in sizes]
+        costs = Costs(activation=kept, params=[float(p) for p in parameters])
+        state = [STATE_BYTES * p for p in parameters]
+    placement = schedule.placement
+
+    def on_ranks(per_stage: list[float]) -> list[float]:
+        return [
+            sum(per_stage[s] for s in placement.stages_of(r)) for r in range(schedule.num_ranks)
+        ]
+
+    parameters = costs.per_stage("params", schedule.num_stages)
+    return Footprint(
+        on_ranks(state), peak_activations(schedule, costs), on_ranks(parameters), layout.replicas
+    )
 
 
-def _transformer(
-    spec: ModelSpec, layout: RunLayout, options: TrainOptions, per_microbatch: int
-) -> tuple[list[float], list[float], list[float]]:
+def _transformer_stages(
+    spec: ModelSpec, sizes: list[int], options: TrainOptions, per_microbatch: int
+) -> tuple[Costs, list[float]]:
+    """The planner's per-stage costs of ``spec`` cut into ``sizes`` for the run's microbatch,
+    and each stage's training-state bytes (the cost model's 16 per parameter, mixed precision's
+    and fp32 AdamW's alike, sharded as ZeRO's stage says)."""
     from cutpipe.plan.costs.model import Training, gpu, model_items, w_memory
-    from cutpipe.plan.partition import stage_costs
-    from cutpipe.sim.memory import peak_activations
+    from cutpipe.plan.partition import stage_costs, stage_state_bytes
 
     # activations as the run keeps them: fp32, or bf16 under autocast
     sized = dataclasses.replace(
@@ -101,32 +116,7 @@ def _transformer(
         recompute=options.recompute,
     )  # fmt: skip
     items = model_items(sized, gpu("H100"), ep=options.ep, training=training)
-    sizes = list(layout.stage_sizes)
-    costs = stage_costs(items, sizes, 0.0, w_memory(sized))
-    starts = [0, *itertools.accumulate(sizes)]
-    stage_parameters, stage_state = [], []
-    for s, size in enumerate(sizes):
-        part = items[starts[s] : starts[s] + size]
-        stage_parameters.append(sum(i.parameters for i in part))
-        # the cost model counts mixed precision's 16 bytes; fp32 weights, gradients and AdamW
-        # take 16 too, sharded as ZeRO's stage says
-        stage_state.append(sum(i.state_bytes for i in part))
-    activations = peak_activations(layout.schedule, costs)
-    state, _, parameters = _per_rank(layout, stage_state, [0.0] * len(sizes), stage_parameters)
-    return state, activations, parameters
-
-
-def _per_rank(
-    layout: RunLayout, state: list[float], activations: list[float], parameters: list[float]
-) -> tuple[list[float], list[float], list[float]]:
-    """Stage figures summed over each rank's stages (activations: the peak of a stage's)."""
-    placement = layout.schedule.placement
-    ranks = range(layout.schedule.num_ranks)
-    return (
-        [sum(state[s] for s in placement.stages_of(r)) for r in ranks],
-        [sum(activations[s] for s in placement.stages_of(r)) for r in ranks],
-        [sum(parameters[s] for s in placement.stages_of(r)) for r in ranks],
-    )
+    return stage_costs(items, sizes, 0.0, w_memory(sized)), stage_state_bytes(items, sizes)
 
 
 def _gib(count: float) -> str:
@@ -172,24 +162,23 @@ def _cheapest(
 
 def available_memory(meminfo: str = "/proc/meminfo") -> float | None:
     """Bytes of memory the kernel says are available (None where it does not say)."""
-    try:
-        text = Path(meminfo).read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("MemAvailable:"):
-            return float(line.split()[1]) * 1024
-    return None
+    kib = _kernel_figure(meminfo, "MemAvailable:")
+    return None if kib is None else float(kib) * 1024
 
 
 def oom_kills(vmstat: str = "/proc/vmstat") -> int | None:
     """Processes the kernel's out-of-memory killer has ended since boot (None: not said)."""
+    return _kernel_figure(vmstat, "oom_kill")
+
+
+def _kernel_figure(path: str, name: str) -> int | None:
+    """The number after ``name`` on its line of a ``/proc`` file (None: no file, no line)."""
     try:
-        text = Path(vmstat).read_text()
+        text = Path(path).read_text()
     except OSError:
         return None
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name == "oom_kill":
-            return int(value)
+        words = line.split()
+        if len(words) > 1 and words[0] == name:
+            return int(words[1])
     return None

@@ -99,35 +99,33 @@ def run_layout(options: TrainOptions, world: int, task: Task) -> RunLayout:
         task.check_experts(options.ep)
     ranks = world // replicas
     accumulated = options.grad_accum * replicas  # pipelines' shares of one optimizer step
-    if options.plan is not None:
-        plan = PlanFile.load(options.plan)
+    plan = None if options.plan is None else PlanFile.load(options.plan)
+    # by default a step is 8 of the model's microbatches; a plan fixes the microbatches, and a
+    # step is then the plan's microbatches, each of the model's size, on every pipeline
+    per_step = GLOBAL_BATCH_MICROBATCHES if plan is None else plan.microbatches * accumulated
+    global_batch = options.global_batch or task.microbatch_size * per_step
+    # an emulated run trains nothing: its batch is the model's microbatches
+    share = None if options.emulate else _share(global_batch, accumulated, options)
+    if plan is not None:
         _check_plan(plan, options.plan, ranks, task)
         schedule = plan.resolve()
         sizes = tuple(plan.stage_sizes)
-        # a plan fixes the microbatches: by default a step is the plan's microbatches, each of
-        # the model's size, on every pipeline
-        default = task.microbatch_size * schedule.num_microbatches * accumulated
     else:
-        default = task.microbatch_size * GLOBAL_BATCH_MICROBATCHES
         microbatches = options.microbatches
         if (
             microbatches is None
-            and not options.emulate
+            and share is not None
             and not is_schedule_file(options.schedule_source)
         ):
-            share = _share(options.global_batch or default, accumulated, options)
             microbatches = fitting_microbatches(options.schedule_source, ranks, share, options)
         schedule = resolve_schedule(options.schedule_source, ranks, microbatches)
-        # an emulated run cuts no model
-        sizes = () if options.emulate else tuple(task.default_sizes(schedule))
+        sizes = () if options.emulate else tuple(task.default_sizes(schedule))  # cuts no model
     _check_tied_embeddings(task, schedule)
     m = schedule.num_microbatches
-    if options.emulate:  # trains nothing: a batch of the model's microbatches
+    if share is None:
         return RunLayout(
             schedule, options.dp, sizes, task.microbatch_size * m * replicas, options.ep
         )
-    global_batch = options.global_batch or default
-    share = _share(global_batch, accumulated, options)
     if share % m:
         raise ValueError(
             f"--global-batch {global_batch} gives each pipeline {share} sequences per pipeline "

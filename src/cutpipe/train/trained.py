@@ -75,7 +75,7 @@ def from_checkpoint(path: str | Path, codec: Codec | None = None, note: Any = No
     spec = ModelSpec.from_dict(
         {**record["model"], "name": Path(path).name, "seq_len": record["seq_len"]}, str(path)
     )
-    bias = bool(record.get("routing_bias")) or any(k.endswith(".routing_bias") for k in state)
+    bias = any(name.endswith(".routing_bias") for name in state)  # saved where it exists
     model = language_model(spec, routing=RoutingOptions(bias=bias))
     model.load_state_dict(state)
     return Trained(model, spec, codec or byte_codec(), record.get("tokenizer", "bytes"))
