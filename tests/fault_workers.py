@@ -170,6 +170,21 @@ def frozen(rank: int, world: int, victim: int) -> str:
         return _ended(error, started)
 
 
+def frozen_between_steps(rank: int, world: int, victim: int) -> str:
+    """``victim`` stops itself (SIGSTOP) after a step, before the gather of the step's timeline
+    that the other ranks wait in: a wait between steps, which only the guard can end."""
+    schedule = generate("1f1b", world, 4)
+    runner = PipelineRunner(
+        schedule, None, emulate=Costs(), time_unit=0.01, heartbeat=0.5, dead_after=3,
+        exit_after=3, record_timeline=True,
+    )  # fmt: skip
+    runner.step()
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    runner.timeline()
+    return "finished"
+
+
 def between_steps(rank: int, world: int, victim: int, how: str) -> str:
     """``victim`` fails after its first step: it raises (as data loading might) or its process
     ends with ``os._exit`` in the middle of the second step's forward."""

@@ -122,6 +122,21 @@ def test_a_frozen_rank_is_named_and_the_launcher_kills_it():
 
 
 @pytest.mark.timeout(180)
+def test_a_rank_stopped_between_steps_is_named_by_the_ranks_waiting_for_it():
+    """Waiting in a collective between steps (here the timeline's gather) is watched as a step
+    is: the waiting rank names the stopped one and ends its process, which gloo's blocking wait
+    would otherwise hold for its 30-minute timeout."""
+    outcomes = spawn(faults.frozen_between_steps, 2, (1,), timeout=150, grace=5)
+    assert outcomes[1].exitcode == -signal.SIGKILL, outcomes[1]
+    waiting = outcomes[0]
+    assert waiting.exitcode == 1, waiting
+    assert (
+        "rank 0 stops (stuck in gathering the measured timeline (after step 1))" in waiting.stderr
+    )
+    assert "rank 1 is frozen" in waiting.stderr and "is stopped (SIGSTOP" in waiting.stderr
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("how", ["raise", "exit"])
 def test_a_rank_that_fails_outside_its_ops_is_named_with_where_it_was(how):
     outcomes = spawn(faults.between_steps, 2, (1, how), timeout=150)

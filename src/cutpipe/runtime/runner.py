@@ -321,9 +321,13 @@ class PipelineRunner:
         if 0 <= position < len(self._ops):
             op = self._ops[position]
             return str(self.schedule.codec.decode(op.code))
-        if self.progress.in_step:
+        progress = self.progress
+        if progress.in_step:
             return "the start or end of the step"
-        return "between steps" if self.progress.step else "its set-up, before any step"
+        if progress.waiting is not None or progress.between is not None:
+            what = progress.waiting[1] if progress.waiting is not None else progress.between
+            return f"{what} (after step {progress.step})"
+        return "between steps" if progress.step else "its set-up, before any step"
 
     # -- a step ----------------------------------------------------------------------------------
 

@@ -318,14 +318,11 @@ class Trainer:
         first: ``settled()`` then gives its record); seconds blocked."""
         assert self.checkpoints is not None
         start = time.perf_counter()
-        self.runner.settle()
-        self.checkpoints.save(
-            self.step,
-            self.held,
-            self.optimizer,
-            self.scheduler,
-            self._state(),
-        )
+        with self.runner.progress.watched("saving a checkpoint"):
+            self.runner.settle()
+            self.checkpoints.save(
+                self.step, self.held, self.optimizer, self.scheduler, self._state()
+            )
         return time.perf_counter() - start
 
     # -- validation -------------------------------------------------------------------------------
@@ -333,7 +330,8 @@ class Trainer:
     def evaluate(self) -> Evaluation:
         """The held-out loss of the model as it is now (every rank calls it; ``Evaluation``);
         the latest is kept for checkpoints."""
-        evaluation = self.evaluator.run(self)
+        with self.runner.progress.watched("evaluating the held-out loss"):
+            evaluation = self.evaluator.run(self)
         # the same on every rank (the time is not): what checkpoints keep
         self.validation = {
             "step": evaluation.step, "val_loss": evaluation.loss, "val_ppl": evaluation.perplexity
@@ -351,11 +349,14 @@ class Trainer:
     def train_step(self) -> list[StepRecord]:
         """One optimizer step over ``grad_accum`` pipeline steps; the records of the steps whose
         verdict is now known (this one; with ``step_boundary="overlap"`` the one before)."""
-        if self.options.emulate:
-            return [self._emulated_step()]
-        if self.options.runner_steps:
-            return self._runner_step()
-        return [self._accumulated_step()]
+        # the pipeline's own step is watched as a step; what surrounds it (the loss, the
+        # gradient norm, the optimizer step, routing statistics) also waits on the peers
+        with self.runner.progress.watched("the optimizer step"):
+            if self.options.emulate:
+                return [self._emulated_step()]
+            if self.options.runner_steps:
+                return self._runner_step()
+            return [self._accumulated_step()]
 
     def settled(self) -> list[StepRecord]:
         """The record of an overlapped step still awaiting its verdict, once it has come (the

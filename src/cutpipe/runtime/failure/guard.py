@@ -8,7 +8,9 @@ Each runner keeps a small record in the c10d store that ``init_process_group`` c
 - ``failure``: the first failure of the pipeline, written once (compare-and-set) by the rank that
   raised, or on behalf of a rank that died, froze or stopped making progress.
 
-Three watchdogs run on that thread while the rank is in a step:
+Three watchdogs run on that thread while the rank is in a step; liveness and exit also run while
+it waits in a collective between steps (a gathered timeline, a gradient norm), which a stopped
+or dead peer would leave waiting as surely as a step:
 
 - *progress*: this rank has completed no op for ``step_timeout`` seconds. Following the wait
   chain (``diagnosis.find_stall``) names the rank everybody waits for, its op and what it waits
@@ -256,16 +258,25 @@ class Guard:
                 return
             try:
                 self._beat()
-                if self._progress.in_step:
+                if self._blocked():
                     self._check_peers()
-                    self._check_progress()
+                    if self._progress.in_step:
+                        self._check_progress()
                     self._exit_if_stuck(self.failure())
+                else:
+                    self._stuck_since = None
             except Exception as error:  # the store's host is gone
-                if self._progress.in_step:
+                if self._blocked():
                     self._exit_if_stuck(
                         f"the c10d store is unreachable ({error}): the process hosting it, "
                         "usually rank 0 or the launcher, has exited"
                     )
+
+    def _blocked(self) -> bool:
+        """In a step, or waiting in a collective between steps (gathering a timeline, reducing a
+        gradient norm): where a stopped or dead peer leaves this rank waiting for ever."""
+        progress = self._progress
+        return progress.in_step or progress.waiting is not None or progress.between is not None
 
     def _peer_beats(self) -> dict[int, Beat]:
         """Every rank's latest beat, its stall counting the time its beat has not changed."""
@@ -340,7 +351,7 @@ class Guard:
         now = time.monotonic()
         if self._stuck_since is None:
             self._stuck_since = now
-        elif now - self._stuck_since > self._exit_after and self._progress.in_step:
+        elif now - self._stuck_since > self._exit_after and self._blocked():
             self._exit(failure)
 
     def _exit(self, failure: str) -> None:

@@ -11,9 +11,11 @@ state, so a stopped (``SIGSTOP``) or vanished process is named at once and a bus
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 #: What a rank waits for: (peer rank or None for a collective of the whole group, something whose
@@ -30,12 +32,24 @@ class Progress:
         self.in_step = False
         self.ops_done = 0  # ops completed in all steps: moves while the rank makes progress
         self.waiting: Waiting | None = None
+        self.between: str | None = None  # the watched work between steps, if any
 
     def wait_for(self, peer: int | None, what: object) -> None:
         self.waiting = (peer, what)
 
     def done_waiting(self) -> None:
         self.waiting = None
+
+    @contextlib.contextmanager
+    def watched(self, what: str) -> Iterator[None]:
+        """Work between steps that waits on the peers (``what`` says which: an optimizer step
+        that reduces a gradient norm, an evaluation, a checkpoint): the guard watches the peers
+        during it as it does in a step, so a dead or stopped one cannot leave it waiting."""
+        previous, self.between = self.between, what
+        try:
+            yield
+        finally:
+            self.between = previous
 
     def marker(self) -> tuple[int, int, bool]:
         """Changes whenever the rank gets anywhere: a new step, a finished op, a phase change."""
