@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 
 from hypothesis import HealthCheck, settings
@@ -19,6 +20,18 @@ settings.register_profile(
     "thorough", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def pytest_configure(config) -> None:
+    """Costs the trainer measures are cached (``cutpipe.train.balance``): in a folder of this
+    session's, set before the test modules copy the environment for their subprocesses."""
+    config.cutpipe_cache = tempfile.mkdtemp(prefix="cutpipe-test-cache-")
+    os.environ["XDG_CACHE_HOME"] = config.cutpipe_cache
+
+
+def pytest_unconfigure(config) -> None:
+    if hasattr(config, "cutpipe_cache"):
+        shutil.rmtree(config.cutpipe_cache, ignore_errors=True)
 
 NAMES = tuple(SCHEDULES)
 

@@ -264,6 +264,12 @@ def report(result: dict[str, Any], options: TrainOptions) -> None:
         timeline = Timeline.from_dict(result["timeline"])
         Console().print(emulation_table(timeline, options.simulated_costs, options.time_unit))
     if options.trace and result["timeline"] is not None:
+        if not options.emulate:
+            from rich.console import Console
+
+            from cutpipe.sim import Timeline
+
+            Console().print(replay_table(Timeline.from_dict(result["timeline"])))
         print(f"measured timeline written to {options.trace}", flush=True)
 
 
@@ -301,6 +307,29 @@ def summary(result: dict[str, Any]) -> str | None:
         stall = statistics.median(result["checkpoint_stall"])
         line += f"; checkpoint stall median {stall * 1e3:.1f} ms"
     return line
+
+
+def replay_table(timeline: Any) -> Any:
+    """The last step measured beside the simulator fed its measured op durations: what the
+    schedule allows with those ops, and what transfers and waits between ops added."""
+    from rich.table import Table
+
+    from cutpipe.sim import metrics
+    from cutpipe.sim.fit import replayed
+
+    got, want = metrics(timeline), metrics(replayed(timeline))
+    table = Table(title="the last step")
+    for column in ("", "measured", "simulated from its op times"):
+        table.add_column(column, justify="right")
+    table.add_row("pipeline step (ms)", fmt(got.makespan * 1e3, 1), fmt(want.makespan * 1e3, 1))
+    table.add_row("bubble ratio", fmt(got.bubble_ratio, 3), fmt(want.bubble_ratio, 3))
+    for r in range(timeline.num_ranks):
+        table.add_row(
+            f"rank {r} busy / idle (ms)",
+            f"{got.busy_per_rank[r] * 1e3:.1f} / {got.idle_per_rank[r] * 1e3:.1f}",
+            f"{want.busy_per_rank[r] * 1e3:.1f} / {want.idle_per_rank[r] * 1e3:.1f}",
+        )
+    return table
 
 
 def emulation_table(timeline: Any, costs: Any, time_unit: float) -> Any:

@@ -32,6 +32,8 @@ from cutpipe.sim.costs import RECOMPUTE_MODES, Costs
 from cutpipe.sim.steps import BOUNDARIES
 
 DTYPES = ("fp32", "bf16")
+#: how the trainer balances its stages without a plan (cutpipe.train.balance)
+BALANCES = ("measured", "nominal")
 #: data parallelism next to the pipeline (``cutpipe.parallel``)
 DP_MODES = ("allreduce", "zero1", "fsdp")
 BACKENDS = ("gloo", "nccl")
@@ -96,6 +98,15 @@ class ScheduleOptions:
     plan: str | None = option(
         None, "a plan file (cutpipe recommend -o or partition -o): its schedule, microbatches, "
         "layout and stage partition", ReadableFile(), exclusive=SOURCE,
+    )  # fmt: skip
+    balance: str = option(
+        "measured", "how stages are balanced when no plan gives them: measured (each kind of "
+        "block timed on this machine at start-up, cached) or nominal (the planner's cost model "
+        "of an H100)", Choice(BALANCES),
+    )  # fmt: skip
+    profile: str | None = option(
+        None, "balance stages from this profile (cutpipe profile -o) instead of timing blocks "
+        "at start-up", ReadableFile(), metavar="FILE",
     )  # fmt: skip
     microbatches: int | None = option(
         None, "microbatches per pipeline step (default: the schedule's least, at least 2 x ranks)",
@@ -469,6 +480,11 @@ class TrainOptions:
             problems.append(
                 "--emulate sleeps instead of computing: it trains nothing, so it takes no "
                 "--checkpoint-dir, --dp or --grad-accum"
+            )
+        if self.profile and (self.plan or self.balance != "measured"):
+            problems.append(
+                "--profile balances the stages from its costs: drop it, or drop "
+                + ("--plan (the plan fixes the partition)" if self.plan else "--balance nominal")
             )
         if self.trace and self.step_boundary == "overlap":
             problems.append(

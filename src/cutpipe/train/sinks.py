@@ -31,6 +31,8 @@ TAGS = {
     "balance_loss": "moe/balance_loss",
     "expert_load": "moe/expert_load",
     "dropped": "moe/dropped",
+    "pipeline_ms": "perf/pipeline_ms",
+    "outside_ms": "perf/outside_ms",
 }
 #: fields that are no measurement
 SKIPPED = ("step", "run")
@@ -169,6 +171,9 @@ def describe_run(trainer: Any) -> dict[str, Any]:
         "microbatches": trainer.schedule.num_microbatches,
     }
     if not options.emulate:
+        run["stage_sizes"] = list(trainer.layout.stage_sizes)
+        if trainer.balance is not None:
+            run["balance"] = trainer.balance.to_dict()
         run["lr_schedule"] = (
             f"lr {options.lr:g}, warm-up {options.warmup_steps}, cosine to "
             f"{options.min_lr_ratio:g}x over {options.steps} steps"

@@ -28,8 +28,10 @@ import torch
 import torch.distributed as dist
 
 from cutpipe.train.options import TrainOptions
+from cutpipe.train.step_parts import PIPELINE, StepParts
 
 if TYPE_CHECKING:
+    from cutpipe.train.balance import Balance
     from cutpipe.train.evaluate import Evaluation, Evaluator
 
 
@@ -55,6 +57,10 @@ class StepRecord:
     val_loss: float | None = None
     val_ppl: float | None = None
     val_time: float | None = None
+    #: the pipeline steps' milliseconds, and the rest of the step's by part
+    #: (``cutpipe.train.step_parts``): data, loss, timeline, clip, optimizer, routing
+    pipeline_ms: float | None = None
+    outside_ms: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         fields = dict(self.__dict__)
@@ -125,6 +131,9 @@ class Trainer:
         self.rank, self.world, self.device = init_distributed(options.backend)
         self.task = task_for(options)
         self.layout = run_layout(options, self.world, self.task)
+        self.balance = self._balance()  # None: the plan's or the nominal partition
+        if self.balance is not None:
+            self.layout = replace(self.layout, stage_sizes=self.balance.sizes)
         self.schedule = self.layout.schedule
         self.batch = self.layout.batch
         self.mesh = build_mesh(
@@ -149,6 +158,46 @@ class Trainer:
             self.checkpoints = Checkpointer(  # rank 0 says what it did with the directory
                 options.checkpoint_dir, keep=options.keep, say=functools.partial(print, flush=True)
             )
+
+    def _balance(self) -> Balance | None:
+        """Stages balanced from costs measured on this machine (``cutpipe.train.balance``):
+        pipeline rank 0 times the blocks (or reads the cache, or ``--profile``) and every rank
+        balances the same stages from its figures. None where the partition is fixed (a plan,
+        ``--balance nominal``) or there is no model to time (emulation, the example MLP)."""
+        from cutpipe.plan.costs.profile import Profile
+        from cutpipe.train import balance
+        from cutpipe.train.tasks import LanguageModelTask
+
+        options, task = self.options, self.task
+        if (
+            options.emulate or options.plan or options.balance != "measured"
+            or not isinstance(task, LanguageModelTask)
+        ):  # fmt: skip
+            return None
+        layout = self.layout
+        microbatch = layout.batch // (layout.schedule.num_microbatches * layout.replicas)
+        spec = balance.run_spec(task.spec, microbatch)
+        payload: list[object] = [None]
+        if self.rank == 0:
+            try:
+                if options.profile:
+                    profile = Profile.load(options.profile)
+                    balance.check_profile(profile, spec, options.profile)
+                    source = f"--profile {options.profile}"
+                else:
+                    profile, source = balance.measure(
+                        spec, self.device, balance.profile_dtype(options.dtype)
+                    )
+                payload[0] = ("ok", profile.to_dict(), source)
+            except (ValueError, OSError) as error:  # the others must hear of it, not wait
+                payload[0] = ("error", f"{type(error).__name__}: {error}", "")
+        if self.world > 1:
+            dist.broadcast_object_list(payload, src=0)
+        status, content, source = payload[0]
+        if status == "error":
+            raise ValueError(f"balancing the stages failed on rank 0: {content}")
+        profile = Profile.from_dict(content, source)
+        return balance.balance_stages(self.layout.schedule, profile, source, options.ep)
 
     def _build(self) -> None:
         """This rank's stages of the model, parallelized, their runner and optimizer."""
@@ -258,11 +307,16 @@ class Trainer:
             + (f" x DP {layout.dp}" if layout.dp > 1 else "")
             + (f" x EP {layout.ep}" if layout.ep > 1 else "")
         )
-        source = f"from {options.plan}" if options.plan else "the trainer's default"
-        sizes = ", ".join(map(str, layout.stage_sizes))
         head = f"{self.schedule.name} on {where}, {self.schedule.num_microbatches} microbatches"
         if options.emulate:
             return f"{head}, emulated"
+        sizes = ", ".join(map(str, layout.stage_sizes))
+        if options.plan:
+            source = f"from {options.plan}"
+        elif self.balance is not None:
+            source = f"balanced from {self.balance.source}; {self.balance.expected()}"
+        else:
+            source = "the planner's partition for an H100"
         return f"{self.task.name}: {head}, blocks per stage {sizes} ({source})"
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -421,36 +475,47 @@ class Trainer:
         options = self.options
         start = time.perf_counter()
         fsdp = self.parallel.fsdp
+        parts = StepParts()
 
         def batches():
             for index in range(options.grad_accum):
-                batch = self._batch()
+                with parts.timed("data"):
+                    batch = self._batch()
                 self.parallel.reduce_next_step(index == options.grad_accum - 1)
                 if fsdp is not None:
                     # all-gathered now rather than by the first forwards, so that the meter
                     # knows the unsharded parameters (new storage every step) are no activations
-                    fsdp.unshard()
+                    with parts.timed("fsdp_unshard"):
+                        fsdp.unshard()
                     self.meter.also_exclude(self.runner.parameters())
                 yield batch
 
         self.meter.reset()
-        with self.autocast(), self.meter:
+        with self.autocast(), self.meter, parts.timed(PIPELINE):
             loss = accumulate(self.runner, batches())
-        loss = float(self.mesh.average(loss))
-        timeline = self.runner.timeline()
-        norm = clip_grad_norm(  # clip=None: only measure
-            self.runner.parameters(), math.inf if options.clip is None else options.clip,
-            group=self.runner.group, copies=mirror_copies(self.schedule),
-            partitioned=self.parallel.partitioned,
-        )  # fmt: skip
+        parts.add(PIPELINE, -sum(parts.ms.get(p, 0.0) for p in ("data", "fsdp_unshard")))
+        with parts.timed("loss"):
+            loss = float(self.mesh.average(loss))
+        with parts.timed("timeline"):
+            timeline = self.runner.timeline()
+        with parts.timed("clip"):
+            norm = clip_grad_norm(  # clip=None: only measure
+                self.runner.parameters(), math.inf if options.clip is None else options.clip,
+                group=self.runner.group, copies=mirror_copies(self.schedule),
+                partitioned=self.parallel.partitioned,
+            )  # fmt: skip
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        with parts.timed("optimizer"):
+            self.optimizer.step()
+            self.scheduler.step()
         self.step += 1
+        with parts.timed("routing"):
+            routing = self._routing()
         seconds = time.perf_counter() - start
         return self._record(
             seconds, loss=loss, lr=lr, grad_norm=float(norm),
-            bubble=None if timeline is None else metrics(timeline).bubble_ratio, **self._routing(),
+            bubble=None if timeline is None else metrics(timeline).bubble_ratio,
+            pipeline_ms=parts.pipeline_ms, outside_ms=parts.outside(), **routing,
         )  # fmt: skip
 
     def _routing(self) -> dict[str, Any]:

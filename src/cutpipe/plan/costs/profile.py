@@ -96,6 +96,11 @@ class Profile:
             raise ValueError(message if str(path) in message else f"{path}: {message}") from None
 
     @classmethod
+    def from_dict(cls, data: dict, source: str = "profile") -> Profile:
+        """The profile ``to_dict`` gave; a ValueError names ``source`` and what is wrong."""
+        return cls._from_dict(data, source)
+
+    @classmethod
     def _from_dict(cls, data: dict, source: str) -> Profile:
         record = require_keys(data, "profile", ("model", "device", "dtype", "w_memory", "items"))
         model = ModelSpec.from_dict(dict(mapping(record["model"], "profile model")), source)

@@ -1,0 +1,156 @@
+"""Training efficiency: `cutpipe train` on R processes against one process doing the same work.
+
+One process (one thread) trains the model with plain autograd and AdamW on the whole global
+batch at once; `cutpipe train --nproc R` (one thread per worker) trains the same model on the
+same global batch in M microbatches with each schedule. Efficiency is tokens/s over R times the
+one process's. Beside it, the simulator fed every op's duration the run measured in its last
+step (`cutpipe.sim.fit.replayed`, no transfer time, no overhead) gives the efficiency the
+schedule allows with those ops, and the measured step splits into four factors whose product is
+the efficiency:
+
+- ops: the one process's step over the pipeline's summed op time (per-op overhead: smaller ops,
+  the B/W split, transfers' copies);
+- bubble: the ranks' summed op time over R x the simulated step (bubble and imbalance);
+- runtime: the simulated step over the measured pipeline step (latency between ops);
+- outside: the pipeline step over the whole step (data, loss, gradient norm, optimizer...).
+
+Rounds alternate the runs, and each figure is the median over rounds.
+
+    python benchmarks/train_efficiency.py [--ranks 2 4] [--schedules 1f1b zbv] [--steps 6]
+        [--rounds 2] [--balance measured nominal]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from cutpipe.models.transformer import LanguageModelLoss, language_model
+from cutpipe.sim import Timeline
+from cutpipe.sim.fit import replayed
+from cutpipe.spec import ModelSpec
+
+#: the model of issue 32: 8 layers, hidden 256, sequences of 128 bytes
+MODEL = {
+    "name": "efficiency-8l", "layers": 8, "hidden": 256, "heads": 4, "ffn": 768, "vocab": 256,
+    "seq_len": 128, "microbatch_size": 8, "dtype": "fp32",
+}  # fmt: skip
+GLOBAL_BATCH, MICROBATCHES = 64, 8
+SCHEDULES = ("1f1b", "interleaved", "zbh1", "zbh2", "zbv", "dualpipev", "dualpipe")
+
+
+def one_process_steps(spec: ModelSpec, steps: int) -> list[float]:
+    """Seconds per step of one process (one thread) training the whole model on the batch."""
+    torch.set_num_threads(1)
+    model = language_model(spec, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_fn = LanguageModelLoss()
+    generator = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(steps):
+        tokens = torch.randint(spec.vocab, (GLOBAL_BATCH, spec.seq_len + 1), generator=generator)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return times[1:]  # the first step allocates
+
+
+def pipeline_run(model: Path, schedule: str, ranks: int, steps: int, balance: str,
+                 folder: Path) -> dict:  # fmt: skip
+    """One `cutpipe train` run: its records and its last step's measured timeline."""
+    metrics, trace = folder / "metrics.jsonl", folder / "trace.json"
+    command = [
+        sys.executable, "-m", "cutpipe", "train", "--nproc", str(ranks), "-s", schedule,
+        "--model", str(model), "-m", str(MICROBATCHES), "--global-batch", str(GLOBAL_BATCH),
+        "--steps", str(steps), "--metrics", str(metrics), "--trace", str(trace), "--quiet",
+        "--balance", balance,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {"records": records, "timeline": Timeline.load(trace)}
+
+
+def factors(run: dict, one_step: float, ranks: int) -> dict[str, float]:
+    """The run's efficiency and its four factors, from its last step."""
+    last = run["records"][-1]
+    timeline: Timeline = run["timeline"]
+    busy = sum(end - start for rank in range(timeline.num_ranks)
+               for _, start, end in timeline.events(rank))  # fmt: skip
+    simulated = replayed(timeline).makespan
+    pipeline = last["pipeline_ms"] / 1e3
+    steady = [r["step_time"] for r in run["records"][1:]] or [last["step_time"]]
+    return {
+        "efficiency": one_step / (ranks * statistics.median(steady)),
+        "simulated": one_step / (ranks * simulated),
+        "measured / simulated": simulated / last["step_time"],
+        "ops": one_step / busy,
+        "bubble": busy / (ranks * simulated),
+        "runtime": simulated / pipeline,
+        "outside": pipeline / last["step_time"],
+        "tokens/s": statistics.median(r["tokens_per_s"] for r in run["records"][1:]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
+    parser.add_argument("--balance", nargs="+", default=["measured"],
+                        choices=("measured", "nominal"))  # fmt: skip
+    parser.add_argument("--steps", type=int, default=6, help="steps per run (the first is dropped)")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    spec = ModelSpec.from_dict(MODEL)
+    tokens_per_step = GLOBAL_BATCH * spec.seq_len
+    results: dict[tuple, list[dict]] = {}
+    one: list[float] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        model = Path(scratch) / "model.json"
+        model.write_text(json.dumps(MODEL))
+        for round_ in range(args.rounds):
+            one += one_process_steps(spec, args.steps)
+            for ranks in args.ranks:
+                for schedule in args.schedules:
+                    for balance in args.balance:
+                        folder = Path(scratch) / f"{round_}-{ranks}-{schedule}-{balance}"
+                        folder.mkdir()
+                        run = pipeline_run(model, schedule, ranks, args.steps, balance, folder)
+                        results.setdefault((ranks, schedule, balance), []).append(run)
+    one_step = statistics.median(one)
+    table = Table(
+        title=f"{spec.name} (8 layers, hidden 256), global batch {GLOBAL_BATCH} in "
+        f"{MICROBATCHES} microbatches; one process: {one_step:.2f} s per step, "
+        f"{tokens_per_step / one_step:,.0f} tokens/s; medians of {args.rounds} rounds"
+    )
+    columns = ("ranks", "schedule", "balance", "tokens/s", "efficiency", "simulated",
+               "measured / simulated", "ops", "bubble", "runtime", "outside")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("schedule", "balance") else "right")
+    for (ranks, schedule, balance), runs in results.items():
+        each = [factors(run, one_step, ranks) for run in runs]
+        median = {key: statistics.median(e[key] for e in each) for key in each[0]}
+        table.add_row(
+            str(ranks), schedule, balance, f"{median['tokens/s']:,.0f}",
+            *(f"{median[key]:.2f}" for key in columns[4:]),
+        )  # fmt: skip
+    Console(width=200).print(table)
+
+
+if __name__ == "__main__":
+    main()
