@@ -33,6 +33,7 @@ def pytest_unconfigure(config) -> None:
     if hasattr(config, "cutpipe_cache"):
         shutil.rmtree(config.cutpipe_cache, ignore_errors=True)
 
+
 NAMES = tuple(SCHEDULES)
 
 
