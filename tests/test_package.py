@@ -55,7 +55,8 @@ LAYERS = {
     "data": layer(LAZY, "files"),
     "train": layer(
         ANYWHERE,
-        "schedule sim plan runtime models parallel data spec model_config files records arguments",
+        "schedule sim plan runtime models parallel profiling data spec model_config files records "
+        "arguments",
     ),
     "bench": layer(LAZY, "schedule sim plan runtime models parallel launch train spec"),
     "cli": layer(
