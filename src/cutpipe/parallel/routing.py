@@ -153,6 +153,44 @@ def routing_statistics(
     return RoutingStats(stats)
 
 
+def model_routing_statistics(
+    modules: nn.Module | Iterable[nn.Module] | Mapping[Any, nn.Module],
+    names: Sequence[str],
+    num_experts: int,
+    group: dist.ProcessGroup | None = None,
+    reset: bool = False,
+    device: torch.device | None = None,
+) -> RoutingStats:
+    """What every MoE layer of the whole model routed since the last reset, on every rank of
+    ``group`` (default: all), in one all-reduce: each rank fills the rows of the layers it holds
+    (``names`` lists the model's MoE layers, the same on every rank), so the sum adds up the
+    pipeline's ranks, the replicas and DualPipe's two copies of a layer at once.
+
+    A call on every rank of ``group``, with the tensor on ``device`` (the collective's: a rank
+    holding no MoE layer has none of its own); ``reset`` starts the tallies again once read.
+    """
+    layers = moe_layers_of(modules)
+    unknown = sorted(set(layers) - set(names))
+    if unknown:
+        raise ValueError(f"MoE layers {unknown} are not among the model's names {list(names)}")
+    if device is None and layers:
+        device = next(iter(layers.values())).router.weight.device
+    table = torch.zeros(len(names), 3 + num_experts, dtype=torch.float64, device=device)
+    row_of = {name: index for index, name in enumerate(names)}
+    for name, moe in layers.items():
+        table[row_of[name]] += _tally_row(moe)
+    dist.all_reduce(table, group=group)
+    values = table.tolist()
+    stats = {
+        name: LayerRouting(int(row[0]), row[1], tuple(map(int, row[3:])), int(row[2]))
+        for name, row in zip(names, values, strict=True)
+    }
+    if reset:
+        for moe in layers.values():
+            moe.tally.reset()
+    return RoutingStats(dict(sorted(stats.items())))
+
+
 def reset_routing_statistics(
     modules: nn.Module | Iterable[nn.Module] | Mapping[Any, nn.Module],
 ) -> None:

@@ -140,6 +140,7 @@ class Trainer:
             self.layout.pipeline_ranks, ep=options.ep, dp=options.dp, device_type=self.device.type
         )
         self._unchecked: StepRecord | None = None  # an overlapped step awaiting its verdict
+        self._moe_names: list[str] | None = None  # the model's MoE layers, once gathered
         self.evaluator: Evaluator | None = None  # a validation set's
         self.validation: dict[str, float] | None = None  # the latest evaluation's, checkpointed
         self.step = 0  # optimizer steps done
@@ -520,21 +521,32 @@ class Trainer:
 
     def _routing(self) -> dict[str, Any]:
         """After an optimizer step of an MoE model: move the balancing bias (if asked), and what
-        the step's routing did, every MoE layer of the model (each rank holds some: gathered
-        over the pipeline, DualPipe's two copies of a layer added up)."""
+        the step's routing did, every MoE layer of the model (each rank holds some: summed over
+        the whole run in one all-reduce, DualPipe's two copies of a layer added up)."""
         if not self.task.is_moe:
             return {}
-        from cutpipe.parallel.routing import RoutingStats, routing_statistics, update_routing_bias
+        from cutpipe.parallel.routing import (
+            model_routing_statistics,
+            moe_layers_of,
+            update_routing_bias,
+        )
 
-        stages, reduce = self.parallel.stages, self.mesh.sum_over_replicas
+        stages = self.parallel.stages
         if self.options.routing_bias_rate > 0:
-            update_routing_bias(stages, self.options.routing_bias_rate, reduce=reduce)
-        stats = routing_statistics(stages, reduce=reduce, reset=True)
-        every = [stats]
-        if self.layout.pipeline_ranks > 1:
-            every = [None] * self.layout.pipeline_ranks
-            dist.all_gather_object(every, stats, group=self.mesh.pp_group)
-        merged = RoutingStats.combined(every).layers
+            update_routing_bias(
+                stages, self.options.routing_bias_rate, reduce=self.mesh.sum_over_replicas
+            )
+        if self._moe_names is None:  # once: the model's MoE layers, each rank naming its own
+            every: list[Any] = [None] * self.layout.pipeline_ranks
+            mine = sorted(moe_layers_of(stages))
+            if self.layout.pipeline_ranks > 1:
+                dist.all_gather_object(every, mine, group=self.mesh.pp_group)
+            else:
+                every = [mine]
+            self._moe_names = sorted({name for names in every for name in names})
+        merged = model_routing_statistics(
+            stages, self._moe_names, self.task.spec.experts, reset=True, device=self.device
+        ).layers
         microbatches = sum(layer.microbatches for layer in merged.values())
         return {
             "balance_loss": sum(m.balance_loss for m in merged.values()) / max(microbatches, 1),
