@@ -23,10 +23,17 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def pytest_configure(config) -> None:
-    """Costs the trainer measures are cached (``cutpipe.train.balance``): in a folder of this
-    session's, set before the test modules copy the environment for their subprocesses."""
+    """Set before the test modules copy the environment for their subprocesses. Costs the
+    trainer measures are cached (``cutpipe.train.balance``): in a folder of this session's."""
     config.cutpipe_cache = tempfile.mkdtemp(prefix="cutpipe-test-cache-")
     os.environ["XDG_CACHE_HOME"] = config.cutpipe_cache
+    # One thread per process, here and in every process a test starts: the tests run many
+    # processes on a small shared machine, where OpenMP's spinning threads fight each other and
+    # whatever else runs for the cores (in-process tests ran 1.7x slower with one core busy).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_unconfigure(config) -> None:

@@ -32,6 +32,8 @@ from cutpipe.spec import ModelSpec
 if TYPE_CHECKING:
     import torch
 
+    from cutpipe.train.options import TrainOptions
+
 #: what a profile is timed over: enough rounds that a median shrugs off one slow round
 REPEATS, WARMUP = 5, 2
 #: the precision a profile runs in, by the run's --dtype
@@ -132,6 +134,35 @@ def balance_stages(schedule: Schedule, profile: Profile, source: str, ep: int = 
     best = balance(schedule, items, comm, profile.w_memory)
     expected = metrics(simulate(schedule, best.costs), best.costs)
     return Balance(tuple(best.sizes), source, tuple(expected.busy_per_rank), expected.makespan)
+
+
+def agreed_balance(
+    spec: ModelSpec, schedule: Schedule, options: TrainOptions, device: torch.device,
+    first: bool, ep: int = 1,
+) -> Balance:  # fmt: skip
+    """The partition every rank of the run balances alike: the ``first`` rank (global rank 0)
+    reads ``--profile``, the cache, or times the blocks, and broadcasts the figures (or the
+    error, so that no rank waits for figures that will not come). A call on every rank."""
+    import torch.distributed as dist
+
+    payload: list[object] = [None]
+    if first:
+        try:
+            if options.profile:
+                profile = Profile.load(options.profile)
+                check_profile(profile, spec, options.profile)
+                source = f"--profile {options.profile}"
+            else:
+                profile, source = measure(spec, device, profile_dtype(options.dtype))
+            payload[0] = ("ok", profile.to_dict(), source)
+        except (ValueError, OSError) as error:
+            payload[0] = ("error", f"{type(error).__name__}: {error}", "")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(payload, src=0)
+    status, content, source = payload[0]
+    if status == "error":
+        raise ValueError(f"balancing the stages failed on rank 0: {content}")
+    return balance_stages(schedule, Profile.from_dict(content, source), source, ep)
 
 
 def run_spec(spec: ModelSpec, microbatch: int) -> ModelSpec:

@@ -161,11 +161,9 @@ class Trainer:
             )
 
     def _balance(self) -> Balance | None:
-        """Stages balanced from costs measured on this machine (``cutpipe.train.balance``):
-        pipeline rank 0 times the blocks (or reads the cache, or ``--profile``) and every rank
-        balances the same stages from its figures. None where the partition is fixed (a plan,
-        ``--balance nominal``) or there is no model to time (emulation, the example MLP)."""
-        from cutpipe.plan.costs.profile import Profile
+        """Stages balanced from costs measured on this machine (``cutpipe.train.balance``).
+        None where the partition is fixed (a plan, ``--balance nominal``) or there is no model
+        to time (emulation, the example MLP)."""
         from cutpipe.train import balance
         from cutpipe.train.tasks import LanguageModelTask
 
@@ -177,28 +175,10 @@ class Trainer:
             return None
         layout = self.layout
         microbatch = layout.batch // (layout.schedule.num_microbatches * layout.replicas)
-        spec = balance.run_spec(task.spec, microbatch)
-        payload: list[object] = [None]
-        if self.rank == 0:
-            try:
-                if options.profile:
-                    profile = Profile.load(options.profile)
-                    balance.check_profile(profile, spec, options.profile)
-                    source = f"--profile {options.profile}"
-                else:
-                    profile, source = balance.measure(
-                        spec, self.device, balance.profile_dtype(options.dtype)
-                    )
-                payload[0] = ("ok", profile.to_dict(), source)
-            except (ValueError, OSError) as error:  # the others must hear of it, not wait
-                payload[0] = ("error", f"{type(error).__name__}: {error}", "")
-        if self.world > 1:
-            dist.broadcast_object_list(payload, src=0)
-        status, content, source = payload[0]
-        if status == "error":
-            raise ValueError(f"balancing the stages failed on rank 0: {content}")
-        profile = Profile.from_dict(content, source)
-        return balance.balance_stages(self.layout.schedule, profile, source, options.ep)
+        return balance.agreed_balance(
+            balance.run_spec(task.spec, microbatch), layout.schedule, options, self.device,
+            first=self.rank == 0, ep=options.ep,
+        )  # fmt: skip
 
     def _build(self) -> None:
         """This rank's stages of the model, parallelized, their runner and optimizer."""
