@@ -107,7 +107,7 @@ def test_a_profile_of_another_model_is_refused_by_name():
     spec = ModelSpec.load(TINY)
     profile = _profile(1e-3)
     balancing.check_profile(profile, spec, "p.json")  # the same model
-    with pytest.raises(ValueError, match=r"--profile p.json .*microbatch_size 4 \(the run: 8\)"):
+    with pytest.raises(ValueError, match=r"--profile p.json .*microbatch_size 8 vs 4"):
         balancing.check_profile(profile, balancing.run_spec(spec, 8), "p.json")
 
 
@@ -157,7 +157,9 @@ def test_a_run_balanced_from_a_profile_learns_what_the_nominal_partition_learns(
     refused, _ = _train(tmp_path, "other", "--profile", "other.json")
     assert refused.returncode == 2, refused.stderr
     lines = [line for line in refused.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "measured another model" in lines[0] and "hidden 32" in lines[0]
+    assert (
+        len(lines) == 1 and "measured another model" in lines[0] and "hidden 64 vs 32" in lines[0]
+    )
 
 
 def test_profile_and_a_fixed_partition_are_refused_together(tmp_path):

@@ -318,6 +318,16 @@ class MlpSpec:
         return cls(**data)
 
 
+def spec_differences(ours: ModelSpec, theirs: ModelSpec, ignore: tuple[str, ...] = ()) -> list[str]:
+    """``"field ours vs theirs"`` for each field the two models differ in, but those ignored:
+    what a one-line refusal of another model names."""
+    return [
+        f"{f.name} {getattr(ours, f.name)!r} vs {getattr(theirs, f.name)!r}"
+        for f in fields(ours)
+        if f.name not in ignore and getattr(ours, f.name) != getattr(theirs, f.name)
+    ]
+
+
 def read_mapping(path: str | Path, what: str) -> dict:
     """The mapping a YAML (``.yaml``/``.yml``) or JSON file holds, with errors that say which
     ``what`` file (model, GPU) could not be read, parsed, or is not a mapping."""

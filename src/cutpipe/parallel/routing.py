@@ -143,10 +143,8 @@ def routing_statistics(
     stats: dict[str, LayerRouting] = {}
     at = 0
     for name, moe in layers.items():
-        microbatches, balance, dropped = values[at : at + 3]
-        load = values[at + 3 : at + 3 + moe.num_experts]
+        stats[name] = _layer_routing(values[at : at + 3 + moe.num_experts])
         at += 3 + moe.num_experts
-        stats[name] = LayerRouting(int(microbatches), balance, tuple(map(int, load)), int(dropped))
     if reset:
         for moe in layers.values():
             moe.tally.reset()
@@ -181,10 +179,7 @@ def model_routing_statistics(
         table[row_of[name]] += _tally_row(moe)
     dist.all_reduce(table, group=group)
     values = table.tolist()
-    stats = {
-        name: LayerRouting(int(row[0]), row[1], tuple(map(int, row[3:])), int(row[2]))
-        for name, row in zip(names, values, strict=True)
-    }
+    stats = {name: _layer_routing(row) for name, row in zip(names, values, strict=True)}
     if reset:
         for moe in layers.values():
             moe.tally.reset()
@@ -254,6 +249,12 @@ def _tally_row(moe: MoE) -> torch.Tensor:
     if tally.routed is not None:
         row[3:] = tally.routed
     return row
+
+
+def _layer_routing(row: Sequence[float]) -> LayerRouting:
+    """The ``LayerRouting`` of a row ``_tally_row`` made (summed or not)."""
+    microbatches, balance, dropped, *load = row
+    return LayerRouting(int(microbatches), balance, tuple(map(int, load)), int(dropped))
 
 
 def _summed(value: torch.Tensor, reduce: Reduce | None) -> torch.Tensor:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from cutpipe.plan.costs.profile import Profile
 from cutpipe.schedule.schedule import Schedule
-from cutpipe.spec import ModelSpec
+from cutpipe.spec import ModelSpec, spec_differences
 
 if TYPE_CHECKING:
     import torch
@@ -36,8 +36,6 @@ if TYPE_CHECKING:
 
 #: what a profile is timed over: enough rounds that a median shrugs off one slow round
 REPEATS, WARMUP = 5, 2
-#: the precision a profile runs in, by the run's --dtype
-PROFILE_DTYPES = {"fp32": "fp32", "bf16": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -101,17 +99,12 @@ def measure(spec: ModelSpec, device: torch.device, dtype: str) -> tuple[Profile,
 
 def check_profile(profile: Profile, spec: ModelSpec, path: str) -> None:
     """A profile of another model or microbatch would balance the wrong stages: say which."""
-    theirs = profile.model
-    differ = [
-        f"{name} {getattr(theirs, name)!r} (the run: {getattr(spec, name)!r})"
-        for name in spec.__dataclass_fields__
-        if name != "name" and getattr(theirs, name) != getattr(spec, name)
-    ]
+    differ = spec_differences(spec, profile.model, ignore=("name",))
     if differ:
         raise ValueError(
-            f"--profile {path} measured another model than the run's: {'; '.join(differ[:4])}; "
-            "profile the run's model (cutpipe profile --model FILE, with its microbatch_size "
-            "and seq_len as the run uses them)"
+            f"--profile {path} measured another model than the run's (the run's vs the "
+            f"profile's): {'; '.join(differ[:4])}; profile the run's model (cutpipe profile "
+            "--model FILE, with its microbatch_size and seq_len as the run uses them)"
         )
 
 
@@ -153,7 +146,7 @@ def agreed_balance(
                 check_profile(profile, spec, options.profile)
                 source = f"--profile {options.profile}"
             else:
-                profile, source = measure(spec, device, profile_dtype(options.dtype))
+                profile, source = measure(spec, device, options.dtype)  # fp32 or bf16
             payload[0] = ("ok", profile.to_dict(), source)
         except (ValueError, OSError) as error:
             payload[0] = ("error", f"{type(error).__name__}: {error}", "")
@@ -168,7 +161,3 @@ def agreed_balance(
 def run_spec(spec: ModelSpec, microbatch: int) -> ModelSpec:
     """The model as one microbatch of the run sees it."""
     return replace(spec, microbatch_size=microbatch)
-
-
-def profile_dtype(dtype: str) -> str:
-    return PROFILE_DTYPES.get(dtype, "fp32")

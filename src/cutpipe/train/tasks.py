@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from cutpipe.model_config import load_training_model
 from cutpipe.models.router import RoutingOptions
 from cutpipe.schedule.schedule import Schedule
-from cutpipe.spec import MlpSpec, ModelSpec
+from cutpipe.spec import MlpSpec, ModelSpec, spec_differences
 
 if TYPE_CHECKING:
     import torch
@@ -128,20 +128,13 @@ def task_for(options: TrainOptions) -> Task:
 
 def _check_weights(spec: ModelSpec | MlpSpec, folder: str, seq_len: int | None) -> None:
     """``--init-from`` names a Hugging Face folder of this model's weights (one line if not)."""
-    from dataclasses import replace
-
     from cutpipe.model_config import load_model_config
 
     if isinstance(spec, MlpSpec):
         raise ValueError("--init-from loads a language model's weights: give --model FILE too")
     theirs = load_model_config(folder, seq_len=seq_len or spec.seq_len)
-    same = replace(theirs, name=spec.name, microbatch_size=spec.microbatch_size, dtype=spec.dtype)
-    if same != spec:
-        differ = [
-            f"{k} {getattr(spec, k)!r} vs {getattr(theirs, k)!r}"
-            for k in spec.__dataclass_fields__
-            if getattr(spec, k) != getattr(same, k)
-        ]
+    differ = spec_differences(spec, theirs, ignore=("name", "microbatch_size", "dtype"))
+    if differ:
         raise ValueError(
             f"--init-from {folder} holds another model than --model: {'; '.join(differ[:4])}"
         )
