@@ -1,12 +1,13 @@
 """Training efficiency: `cutpipe train` on R processes against one process doing the same work.
 
 One process (one thread) trains the model with plain autograd and AdamW on the global batch
-(the faster of all at once and the run's microbatches accumulated); `cutpipe train --nproc R` (one thread per worker) trains the same model on the
-same global batch in M microbatches with each schedule. Efficiency is tokens/s over R times the
-one process's. Beside it, the simulator fed every op's duration the run measured in its last
-step (`cutpipe.sim.fit.replayed`, no transfer time, no overhead) gives the efficiency the
-schedule allows with those ops, and the measured step splits into four factors whose product is
-the efficiency:
+(the faster of all at once and the run's microbatches accumulated); `cutpipe train --nproc R`
+(one thread per worker) trains the same model on the same global batch in M microbatches with
+each schedule. Efficiency is tokens/s over R times the one process's. Beside it, the simulator
+fed every op's duration each step measured (the log's `replay_ms`, `cutpipe.sim.fit.replayed`:
+no transfer time, no overhead) gives the efficiency the schedule allows with those ops;
+"measured / simulated" is the median over steps of the replay over the whole step. The measured
+step splits into four factors whose product is about the efficiency (medians over steps):
 
 - ops: the one process's step over the pipeline's summed op time (per-op overhead: smaller ops,
   the B/W split, transfers' copies);
@@ -38,7 +39,6 @@ from rich.table import Table
 
 from cutpipe.models.transformer import LanguageModelLoss, language_model
 from cutpipe.sim import Timeline
-from cutpipe.sim.fit import replayed
 from cutpipe.spec import ModelSpec
 
 #: the model of issue 32: 8 layers, hidden 256, sequences of 128 bytes
@@ -95,26 +95,35 @@ def pipeline_run(model: Path, schedule: str, ranks: int, ep: int, batch: int, st
 
 
 def factors(run: dict, one_step: float, ranks: int, ep: int) -> dict[str, float]:
-    """The run's efficiency (over its ``ranks`` x ``ep`` processes) and its four factors,
-    from its last step (the timeline is one pipeline's: each of the ``ep`` pipelines does the
-    same share of the work)."""
+    """The run's efficiency (over its ``ranks`` x ``ep`` processes) and its four factors.
+
+    Every step's record carries its replay (``replay_ms``: the simulator fed that step's
+    measured op durations), so "simulated", "runtime", "outside" and "measured / simulated" are
+    medians over the steps after the first. "ops" and "bubble" need the ops themselves: they are
+    from the last step's timeline (one pipeline's: each of the ``ep`` pipelines does the same
+    share of the work), scaled to the median step's replay.
+    """
+    steady = run["records"][1:] or run["records"][-1:]
     last = run["records"][-1]
     timeline: Timeline = run["timeline"]
     busy = sum(end - start for rank in range(timeline.num_ranks)
                for _, start, end in timeline.events(rank))  # fmt: skip
-    simulated = replayed(timeline).makespan
-    pipeline = last["pipeline_ms"] / 1e3
-    steady = [r["step_time"] for r in run["records"][1:]] or [last["step_time"]]
+    busy *= statistics.median(r["replay_ms"] for r in steady) / last["replay_ms"]
+
+    def median(value) -> float:
+        return statistics.median(value(r) for r in steady)
+
     processes = ranks * ep
+    simulated = median(lambda r: r["replay_ms"]) / 1e3
     return {
-        "efficiency": one_step / (processes * statistics.median(steady)),
+        "efficiency": one_step / (processes * median(lambda r: r["step_time"])),
         "simulated": one_step / (processes * simulated),
-        "measured / simulated": simulated / last["step_time"],
+        "measured / simulated": median(lambda r: r["replay_ms"] / (1e3 * r["step_time"])),
         "ops": one_step / (ep * busy),
         "bubble": busy / (ranks * simulated),
-        "runtime": simulated / pipeline,
-        "outside": pipeline / last["step_time"],
-        "tokens/s": statistics.median(r["tokens_per_s"] for r in run["records"][1:]),
+        "runtime": median(lambda r: r["replay_ms"] / r["pipeline_ms"]),
+        "outside": median(lambda r: r["pipeline_ms"] / (1e3 * r["step_time"])),
+        "tokens/s": median(lambda r: r["tokens_per_s"]),
     }
 
 

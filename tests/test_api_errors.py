@@ -231,7 +231,7 @@ def test_recommend_names_other_wrong_arguments():
 def test_evaluate_refuses_a_layout_that_is_not_the_jobs():
     model = ModelSpec.load(EXAMPLES / "dense-7b.yaml")
     job = Job(model, gpu("A100"), 8)
-    with pytest.raises(ValueError, match="PP=2 x DP=2 x TP=1 is 4 devices, the job has 8"):
+    with pytest.raises(ValueError, match="PP=2 x DP=2 x TP=1 x CP=1 is 4 devices, the job has 8"):
         evaluate(job, Layout(2, 2, 1, "1f1b", 8))
     with pytest.raises(ValueError, match="the layout has TP=1, its training setting TP=2"):
         evaluate(job, Layout(2, 4, 1, "1f1b", 8), Training(tp=2))

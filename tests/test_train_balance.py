@@ -144,6 +144,8 @@ def test_a_run_balanced_from_a_profile_learns_what_the_nominal_partition_learns(
         assert set(parts) == {"data", "loss", "timeline", "clip", "optimizer", "routing"}
         timed = record["pipeline_ms"] + sum(parts.values())
         assert 0.5 * record["step_time"] * 1e3 < timed <= record["step_time"] * 1e3
+        # its replay waits for nothing but the ops: no longer than the pipeline step measured
+        assert 0 < record["replay_ms"] <= 1.1 * record["pipeline_ms"]
     assert plain[0]["run"]["stage_sizes"] == [5, 5] and "balance" not in plain[0]["run"]
     run = moved[0]["run"]
     expected = balancing.balance_stages(generate("1f1b", 2, 8), profile, "x").sizes

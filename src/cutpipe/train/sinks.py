@@ -33,6 +33,7 @@ TAGS = {
     "dropped": "moe/dropped",
     "pipeline_ms": "perf/pipeline_ms",
     "outside_ms": "perf/outside_ms",
+    "replay_ms": "perf/replay_ms",
 }
 #: fields that are no measurement
 SKIPPED = ("step", "run")

@@ -61,6 +61,10 @@ class StepRecord:
     #: (``cutpipe.train.step_parts``): data, loss, timeline, clip, optimizer, routing
     pipeline_ms: float | None = None
     outside_ms: dict[str, float] | None = None
+    #: the last pipeline step replayed by the simulator with its own measured op durations
+    #: (``cutpipe.sim.fit.replayed``): the step the schedule allows with those ops, against
+    #: which the step's own time shows what the runtime and the work around it cost
+    replay_ms: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         fields = dict(self.__dict__)
@@ -451,6 +455,7 @@ class Trainer:
         """One optimizer step over ``grad_accum`` pipeline steps, clipped here."""
         from cutpipe.runtime.clipping import clip_grad_norm, mirror_copies
         from cutpipe.sim import metrics
+        from cutpipe.sim.fit import replayed
         from cutpipe.train.optim import accumulate
 
         options = self.options
@@ -479,6 +484,7 @@ class Trainer:
             loss = float(self.mesh.average(loss))
         with parts.timed("timeline"):
             timeline = self.runner.timeline()
+            replay_ms = None if timeline is None else metrics(replayed(timeline)).makespan * 1e3
         with parts.timed("clip"):
             norm = clip_grad_norm(  # clip=None: only measure
                 self.runner.parameters(), math.inf if options.clip is None else options.clip,
@@ -496,7 +502,8 @@ class Trainer:
         return self._record(
             seconds, loss=loss, lr=lr, grad_norm=float(norm),
             bubble=None if timeline is None else metrics(timeline).bubble_ratio,
-            pipeline_ms=parts.pipeline_ms, outside_ms=parts.outside(), **routing,
+            pipeline_ms=parts.pipeline_ms, outside_ms=parts.outside(),
+            replay_ms=None if replay_ms is None else round(replay_ms, 3), **routing,
         )  # fmt: skip
 
     def _routing(self) -> dict[str, Any]:

@@ -96,6 +96,10 @@ class Training:
     recompute: str = "none"  # none | selective | full
     fp8: bool = False  # FP8 matmuls (where the GPU has them)
     tp: int = 1  # tensor-parallel ranks inside a node
+    #: with TP: norms, dropout and residuals split over the TP ranks along the sequence
+    #: (Korthikanti et al. 2022), else replicated on every TP rank
+    sequence_parallel: bool = True
+    cp: int = 1  # context-parallel ranks: each holds 1/cp of every sequence (ring attention)
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -104,7 +108,11 @@ class Training:
             raise ValueError(
                 f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
             )
-        for name in ("dp", "tp"):
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(
+                f"sequence_parallel must be True or False, got {self.sequence_parallel!r}"
+            )
+        for name in ("dp", "tp", "cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")

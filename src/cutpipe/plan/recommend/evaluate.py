@@ -67,6 +67,8 @@ def check_layout(job: Job, layout: Layout, training: Training) -> None:
         raise TypeError(f"training must be a Training, got {training!r}")
     if training.tp != layout.tp:
         raise ValueError(f"the layout has TP={layout.tp}, its training setting TP={training.tp}")
+    if training.cp != layout.cp:
+        raise ValueError(f"the layout has CP={layout.cp}, its training setting CP={training.cp}")
     if training.zero and training.dp != layout.dp:
         raise ValueError(
             f"ZeRO-{training.zero} shards over the layout's DP={layout.dp}, but the training "
@@ -74,7 +76,8 @@ def check_layout(job: Job, layout: Layout, training: Training) -> None:
         )
     if layout.devices != job.devices:
         raise ValueError(
-            f"PP={layout.pp} x DP={layout.dp} x TP={layout.tp} is {layout.devices} devices, the "
+            f"PP={layout.pp} x DP={layout.dp} x TP={layout.tp} x CP={layout.cp} is "
+            f"{layout.devices} devices, the "
             f"job has {job.devices}: give a layout of all of them"
         )
 

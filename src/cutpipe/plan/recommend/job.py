@@ -76,8 +76,8 @@ class Job:
 
 @dataclass(frozen=True)
 class Layout:
-    """One candidate: PP x DP x TP devices (EP inside the data-parallel group) and the schedule
-    (a registry label) that runs ``microbatches`` per step on each pipeline."""
+    """One candidate: PP x DP x TP x CP devices (EP inside the data-parallel group) and the
+    schedule (a registry label) that runs ``microbatches`` per step on each pipeline."""
 
     pp: int
     dp: int
@@ -85,16 +85,17 @@ class Layout:
     schedule: str
     microbatches: int
     tp: int = 1
+    cp: int = 1  # context parallel: each sequence split over ``cp`` ranks
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "ep", "microbatches", "tp"):
+        for name in ("pp", "dp", "ep", "microbatches", "tp", "cp"):
             check_count(getattr(self, name), f"layout: {name}")
         if not isinstance(self.schedule, str) or not self.schedule:
             raise ValueError(f"layout: schedule must be a schedule name, got {self.schedule!r}")
 
     @property
     def devices(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.tp * self.cp
 
     def refused(self, reason: str, excess: float = 0.0, training: Training = PLAIN) -> Rejected:
         """This layout as a ``Rejected``: ``excess`` bytes over the usable memory, if that is
