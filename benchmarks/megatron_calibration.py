@@ -59,6 +59,19 @@ def main() -> None:
         f"{worst.run.label}); in step time: {slowest.step_ratio - 1:+.1%}; with every "
         f"what-if added: {worst_all:.1%}"
     )
+    speedups(predictions)
+
+
+def speedups(predictions: list) -> None:
+    """Korthikanti et al.'s gain from sequence parallelism and selective recomputation."""
+    by_label = {p.run.label: p for p in predictions}
+    for p in predictions:
+        if p.run.recompute == "selective":
+            full = by_label[p.run.label.replace("selective", "full")]
+            print(
+                f"{p.run.model.name}: full -> selective + SP {full.run.measured / p.run.measured:.3f}x "
+                f"measured, {full.step / p.step:.3f}x predicted"
+            )
 
 
 if __name__ == "__main__":
