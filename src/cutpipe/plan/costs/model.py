@@ -80,7 +80,7 @@ from cutpipe.spec import ModelSpec
 __all__ = ["GPUS", "Hardware", "ItemCost", "Training", "gpu", "model_items"]
 
 #: Fitted to the zero-bubble paper's profiled F and B on A100 (docs/plan.md, "Calibration").
-ELEMENTWISE_PER_KEPT_BYTE = 10.0
+ELEMENTWISE_PER_KEPT_BYTE = 7.3
 #: Fitted to the same paper's measured throughput with ZB-2p (docs/plan.md, "Calibration"): the
 #: time a measured step spends per layer and pass beyond the profiled passes themselves
 #: (launches and synchronisation between passes), added to each of F, B and W.
@@ -273,6 +273,20 @@ def score_macs(model: ModelSpec, queries: float) -> tuple[float, float]:
     return queries * model.seq_len * model.heads * (qk + v) * causal, min(qk, v, model.seq_len)
 
 
+def score_traffic(model: ModelSpec, queries: float) -> tuple[float, float]:
+    """Bytes the softmax and dropout move over the attention scores of ``queries`` query
+    tokens in F and in B, without flash attention (which keeps the scores on chip): a fused
+    scale-mask-softmax reads the scores and writes the probabilities, dropout reads them and
+    writes its output and a one-byte mask (``4p + 1`` per score); the backward reads the
+    gradient and the mask and writes the gradient, then reads it with the probabilities and
+    writes the scores' gradient (``5p + 1``)."""
+    if model.flash_attention:
+        return 0.0, 0.0
+    scores = queries * model.heads * model.seq_len
+    p = model.element_bytes
+    return (4 * p + 1) * scores, (5 * p + 1) * scores
+
+
 def mlp_matmuls(tokens: float, hidden: int, ffn: int, gated: bool, tp: int) -> list[Matmul]:
     """One MLP (or one expert's) on ``tokens`` tokens: the up (and gate) projection, split by
     output columns over ``tp`` ranks, and the down projection, split by input rows."""
@@ -364,15 +378,18 @@ def layer_cost(
     else:
         kept /= t
     elementwise = ELEMENTWISE_PER_KEPT_BYTE * kept / hardware.memory_bandwidth
-    forward = weights + scores + elementwise
-    backward = weights + 2 * scores + elementwise
+    softmax_forward, softmax_backward = (
+        moved / hardware.memory_bandwidth for moved in score_traffic(model, T / t)
+    )
+    forward = weights + scores + elementwise + softmax_forward
+    backward = weights + 2 * scores + elementwise + softmax_backward
     activation = kept + score_bytes
     if fp8 and hardware.fp8_flops:
         activation -= 0.5 * w_memory(model) * kept  # matmul inputs cached in FP8
     if training.recompute == "selective":
         activation -= norms + score_bytes
         backward += ELEMENTWISE_PER_KEPT_BYTE * norms / hardware.memory_bandwidth + (
-            0.0 if model.flash_attention else scores
+            0.0 if model.flash_attention else scores + softmax_forward
         )
     elif training.recompute == "full":  # the layer's input, split over TP with SP
         activation = p * T * h / (t if training.sequence_parallel else 1)
