@@ -146,7 +146,8 @@ def step_breakdown(
     parts["bubble"] = idle - parts["pipeline_sends"]
     parts["dp_reduction"] = rank.reduction
     parts["optimizer"] = rank.optimizer
-    parts["waiting"] = step - sum(parts.values())
+    waiting = step - sum(parts.values())
+    parts["waiting"] = 0.0 if abs(waiting) < 1e-9 * step else waiting  # not -1e-16
     return parts
 
 
