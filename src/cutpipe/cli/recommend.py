@@ -64,13 +64,13 @@ def rate(tokens_per_second: float) -> str:
     return f"{tokens_per_second:,.0f}"
 
 
-def breakdown(plan, hardware, usable_memory: float):
-    """The winner's fullest rank, by what holds its memory, and the assumptions behind it."""
+def breakdown(plan, hardware, usable_memory: float, whose: str = "the winner's"):
+    """A plan's fullest rank, by what holds its memory, and the assumptions behind it."""
     from rich import box
     from rich.table import Table
 
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False,
-                  title=f"memory of the winner's fullest rank ({usable_memory:.0%} of "
+                  title=f"memory of {whose} fullest rank ({usable_memory:.0%} of "
                   f"{hardware.memory / 1e9:.0f} GB usable)")  # fmt: skip
     rows = plan.footprint.rows() if plan.footprint else []
     for name, _ in rows:
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
         console = Console(width=max(console.width, WIDTH))
     if args.explain:
         console.print(step_table(plans[0], hardware))
-        console.print(breakdown(plans[0], hardware, args.usable_memory))
+        console.print(breakdown(plans[0], hardware, args.usable_memory, "this plan's"))
     else:
         console.print(plans_table(shown, model, hardware, args, measure, profile))
         console.print(reason(plans, hardware))

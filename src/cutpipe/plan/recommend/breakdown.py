@@ -121,18 +121,26 @@ def step_breakdown(
     def fb(variant: Sequence[ItemCost]) -> float:
         return total(variant, "forward") + total(variant, "backward")
 
+    # each variant only where it differs: the search prices hundreds of settings
     plan = items(training, None)
     once = replace(training, recompute="none")
+    once_items = plan if once == training else items(once, None)
     kept = replace(once, zero=min(once.zero, 2))  # no per-pass weight gathers
-    intra = fb(items(kept, None)) - fb(items(kept, free_links(hardware, True)))
-    inter = fb(items(kept, None)) - fb(items(kept, free_links(hardware, False)))
-    bare = items(kept, free_links(free_links(hardware, True), False))
+    kept_items = once_items if kept == once else items(kept, None)
+    intra = inter = 0.0
+    bare = kept_items
+    if training.tp > 1 or training.cp > 1:  # collectives on the node's fabric
+        intra = fb(kept_items) - fb(items(kept, free_links(hardware, True)))
+        bare = items(kept, free_links(hardware, True))
+    if training.cp > 1:  # and on the network (TP stays in a node)
+        inter = fb(kept_items) - fb(items(kept, free_links(hardware, False)))
+        bare = items(kept, free_links(free_links(hardware, True), False))
     compute = fb(plan) + total(plan, "weight")
     parts = dict.fromkeys(PARTS, 0.0)
     parts["forward"] = total(bare, "forward")
     parts["weight"] = total(plan, "weight")
-    parts["recompute"] = fb(plan) - fb(items(once, None))
-    parts["zero3_gathers"] = fb(items(once, None)) - fb(items(kept, None))
+    parts["recompute"] = fb(plan) - fb(once_items)
+    parts["zero3_gathers"] = fb(once_items) - fb(kept_items)
     parts["tp_collectives" if training.tp > 1 else "cp_exchanges"] += intra
     parts["cp_exchanges"] += inter
     inside = ("forward", "recompute", "zero3_gathers", "tp_collectives", "cp_exchanges")
