@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from cutpipe.plan.costs.hardware import Hardware
 from cutpipe.plan.costs.model import (
     PLAIN,
     ItemCost,
@@ -27,14 +28,23 @@ from cutpipe.plan.partition import (
     stage_costs,
     stage_state_bytes,
 )
+from cutpipe.plan.recommend.breakdown import (
+    Rank,
+    busiest_of,
+    receives,
+    step_breakdown,
+    utilisation,
+)
 from cutpipe.plan.recommend.explain import over_memory, too_few_items
 from cutpipe.plan.recommend.footprint import buffer_bytes, footprint
 from cutpipe.plan.recommend.job import Job, Layout
 from cutpipe.plan.recommend.plans import Plan, Rejected
 from cutpipe.plan.recommend.settings import Search
+from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.registry import schedule_info
+from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
-from cutpipe.sim.metrics import extrapolate, metrics
+from cutpipe.sim.metrics import Metrics, extrapolate, metrics
 from cutpipe.sim.simulate import simulate
 
 NEAR_MISS = 1.25  # a compute-balanced split this far over the memory gets a memory-aware one
@@ -84,14 +94,16 @@ def check_layout(job: Job, layout: Layout, training: Training) -> None:
 
 def evaluate(
     job: Job, layout: Layout, training: Training = PLAIN, rebalance: bool = True,
-    cache: dict | None = None,
+    cache: dict | None = None, split_idle: bool = True,
 ) -> Plan | Rejected:  # fmt: skip
     """Simulate one candidate; a ``Rejected`` with the reason where it cannot run or fit.
 
     ``training``: the ZeRO stage (over the layout's DP), recompute, precision and TP (the
     layout's). ``rebalance``: whether a split within ``NEAR_MISS`` of the memory gets a
     memory-aware one; ``cache`` keeps items, schedules and compute-balanced splits between
-    calls."""
+    calls. ``split_idle``: simulate the step once more without transfer time, to split the
+    busiest rank's idle time into pipeline sends and bubble (``Plan.breakdown``); without it
+    the sends are estimated (``plan.recommend.breakdown``)."""
     check_layout(job, layout, training)
     model, hardware, capacity = job.model, job.hardware, job.capacity
     pp, dp, ep, m = layout.pp, layout.dp, layout.ep, layout.microbatches
@@ -174,12 +186,10 @@ def evaluate(
     if measure == "makespan":  # every rank waits for the slowest all-reduce and optimizer step
         critical = max(range(pp), key=tails.__getitem__)
         step = result.makespan + tails[critical]
-        bubble = result.bubble_ratio
     else:  # each rank steps after its own span, all-reduce and optimizer; the longest sets the pace
         ends = [span + tail for span, tail in zip(result.span_per_rank, tails, strict=True)]
         critical = max(range(pp), key=ends.__getitem__)
         step = ends[critical]
-        bubble = result.bubble_ratio_span
     allreduce = allreduces[critical]
     busiest = max(range(pp), key=lambda r: result.busy_per_rank[r])
     sends = result.p2p_sends / pp
@@ -194,15 +204,25 @@ def evaluate(
     )
     comm_time = sends * (comm - latency) + exposed_ep + allreduce
     tokens = model.tokens * m * dp
-    bubble = max(0.0, bubble)  # not -1e-15
     fullest = max(range(pp), key=memory.__getitem__)
     stored = schedule.placement.stages_of(fullest)
     routed = sum(experts[s] for s in stored)
     held = sum(dense[s] for s in stored) + routed
     state = sum(stage_state_bytes(items, sizes)[s] for s in stored)
     where = footprint(held, memory[fullest] - state - buffers, training, buffers, routed, ep)
-    return Plan(pp, dp, ep, layout.schedule, m, step, tokens / step, bubble, max(memory),
-                min(1.0, comm_time / step), sizes, measure, training, where)  # fmt: skip
+    rank = busiest_rank(result, schedule.placement, m, measure, allreduces, tails)
+    if split_idle and comm:
+        quiet = replace(costs, comm=0.0)
+        runs = [schedule] + ([] if long_m is None else [long])
+        rank = replace(rank, quiet=_pipeline_time(runs, quiet, m, measure, rank.index))
+    parts = step_breakdown(
+        lambda t, variant: _items_on(job, ep, t, variant, cache), training, hardware, sizes,
+        schedule.placement, m, rank, comm, step,
+    )  # fmt: skip
+    flops = utilisation(model, hardware, training, tokens / step, job.devices)
+    return Plan(pp, dp, ep, layout.schedule, m, step, tokens / step, rank_bubble(rank),
+                max(memory), min(1.0, comm_time / step), sizes, measure, training, where,
+                *flops, parts, rank.index)  # fmt: skip
 
 
 def simulated_counts(info, pp: int, microbatches: int) -> tuple[int, int | None]:
@@ -232,7 +252,7 @@ def throughput_bound(job: Job, layout: Layout, search: Search, cache: dict) -> f
     """Tokens/s no setting of ``layout`` can beat: every rank busy all the time with its share
     of the least work (no recompute, no ZeRO-3 gathers), nothing else in the step."""
     pp, dp, ep, m = layout.pp, layout.dp, layout.ep, layout.microbatches
-    least = Training(0, dp, "none", search.fp8, layout.tp)
+    least = search.training(0, dp, "none", layout.tp)
     items = _memo(cache, ("items", ep, least), lambda: job_items(job, ep, least))
     step = m * sum(item.forward + item.backward + item.weight for item in items) / pp
     return job.model.tokens * m * dp / step
@@ -243,3 +263,45 @@ def ring_allreduce(size: float, ranks: int, bandwidth: float, latency: float) ->
     if ranks <= 1 or size == 0:
         return 0.0
     return 2 * (ranks - 1) / ranks * size / bandwidth + 2 * (ranks - 1) * latency
+
+
+def _items_on(
+    job: Job, ep: int, training: Training, hardware: Hardware | None, cache: dict | None
+) -> list[ItemCost]:
+    """``job_items`` on a variant of the job's hardware (None: its own), kept in ``cache``."""
+    if hardware is None:
+        return _memo(cache, ("items", ep, training), lambda: job_items(job, ep, training))
+    on = replace(job, hardware=hardware)
+    return _memo(cache, ("items", ep, training, hardware), lambda: job_items(on, ep, training))
+
+
+def busiest_rank(
+    result: Metrics, placement: Placement, microbatches: int, measure: str,
+    reductions: list[float], tails: list[float],
+) -> Rank:  # fmt: skip
+    """The rank with the most busy time, as ``step_breakdown`` and the bubble see it."""
+    index = busiest_of(result)
+    return Rank(
+        index,
+        busy=result.busy_per_rank[index],
+        pipeline=result.makespan if measure == "makespan" else result.span_per_rank[index],
+        receives=receives(placement, index, microbatches),
+        reduction=reductions[index],
+        optimizer=tails[index] - reductions[index],
+    )
+
+
+def _pipeline_time(
+    schedules: list[Schedule], costs: Costs, microbatches: int, measure: str, rank: int
+) -> float:
+    """The makespan (or ``rank``'s span) of the step under ``costs``: the short schedule's, or
+    extrapolated from it and the one a period longer."""
+    result = metrics(simulate(schedules[0], costs), costs)
+    if len(schedules) > 1:
+        result = extrapolate(result, metrics(simulate(schedules[1], costs), costs), microbatches)
+    return result.makespan if measure == "makespan" else result.span_per_rank[rank]
+
+
+def rank_bubble(rank: Rank) -> float:
+    """The idle share of the rank's pipeline time: ``1 - busy / makespan`` (or ``/ span``)."""
+    return max(0.0, 1 - rank.busy / rank.pipeline) if rank.pipeline else 0.0
