@@ -80,11 +80,11 @@ from cutpipe.spec import ModelSpec
 __all__ = ["GPUS", "Hardware", "ItemCost", "Training", "gpu", "model_items"]
 
 #: Fitted to the zero-bubble paper's profiled F and B on A100 (docs/plan.md, "Calibration").
-ELEMENTWISE_PER_KEPT_BYTE = 7.3
+ELEMENTWISE_PER_KEPT_BYTE = 8.7
 #: Fitted to the same paper's measured throughput with ZB-2p (docs/plan.md, "Calibration"): the
 #: time a measured step spends per layer and pass beyond the profiled passes themselves
 #: (launches and synchronisation between passes), added to each of F, B and W.
-PASS_OVERHEAD = 0.3e-3
+PASS_OVERHEAD = 0.31e-3
 #: Adam with fp32 master weights reads the gradient, master weight and moments and writes them
 #: back with the bf16 weight: about 28 bytes per parameter through memory per step.
 OPTIMIZER_BYTES_PER_PARAMETER = 28
@@ -275,16 +275,15 @@ def score_macs(model: ModelSpec, queries: float) -> tuple[float, float]:
 
 def score_traffic(model: ModelSpec, queries: float) -> tuple[float, float]:
     """Bytes the softmax and dropout move over the attention scores of ``queries`` query
-    tokens in F and in B, without flash attention (which keeps the scores on chip): a fused
-    scale-mask-softmax reads the scores and writes the probabilities, dropout reads them and
-    writes its output and a one-byte mask (``4p + 1`` per score); the backward reads the
-    gradient and the mask and writes the gradient, then reads it with the probabilities and
-    writes the scores' gradient (``5p + 1``)."""
+    tokens in F and in B, without flash attention (which keeps the scores on chip): Megatron-LM's
+    fused scale-mask-softmax and the dropout after it read the scores and write the dropped
+    probabilities and a one-byte mask (``2p + 1`` per score); the backward reads the gradient
+    and the mask and writes the scores' gradient (``2p + 1``). These bytes grow with the
+    sequence where the rest of a layer's traffic does not (docs/plan.md, "Calibration")."""
     if model.flash_attention:
         return 0.0, 0.0
-    scores = queries * model.heads * model.seq_len
-    p = model.element_bytes
-    return (4 * p + 1) * scores, (5 * p + 1) * scores
+    moved = (2 * model.element_bytes + 1) * queries * model.heads * model.seq_len
+    return moved, moved
 
 
 def mlp_matmuls(tokens: float, hidden: int, ffn: int, gated: bool, tp: int) -> list[Matmul]:
@@ -409,7 +408,7 @@ def layer_cost(
         # sequence parallel: all-gather before and reduce-scatter after attention and the MLP;
         # without it an all-reduce after each (a reduce-scatter and an all-gather's traffic):
         # the same bytes either way (Korthikanti et al. 2022, section 4.2.2)
-        tp_time = 4 * _collective(T * h * p, t, *hardware.link(True))
+        tp_time = 4 * _collective(T * h * p, t, *hardware.collective_link(True))
         forward += tp_time
         backward += tp_time
     if cp > 1:
