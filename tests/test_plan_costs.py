@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cutpipe.plan.costs.model import (
+    ELEMENTWISE_PER_KEPT_BYTE,
     PASS_OVERHEAD,
     gpu,
     layer_cost,
@@ -51,7 +52,9 @@ def test_b_exceeds_w_by_two_score_matmuls_and_f_by_one():
     score_time = 2 * causal_scores / hardware.gemm_throughput(d)
     assert layer.backward - layer.forward == pytest.approx(score_time)
     elementwise = layer.forward - layer.weight - score_time
-    assert elementwise == pytest.approx(10.0 * layer.activation / hardware.memory_bandwidth)
+    assert elementwise == pytest.approx(
+        ELEMENTWISE_PER_KEPT_BYTE * layer.activation / hardware.memory_bandwidth
+    )
     assert 0.4 < layer.weight / layer.forward < 0.8  # not 1.0: F carries norms, softmax, SiLU
 
 

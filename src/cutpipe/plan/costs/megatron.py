@@ -29,24 +29,26 @@ NIC per GPU, tensor parallelism inside a node and pipelines across nodes:
 No distributed optimizer existed yet (ZeRO 0). Nothing is fitted here: every run is priced with
 the A100-80GB preset and the constants the zero-bubble paper's tables fixed
 (``cutpipe.plan.costs.calibration``), through ``evaluate`` with the published layout forced.
+As for the zero-bubble runs, the runs are modelled as Megatron-LM ran them: its schedules wait
+for each pipeline send after each pass (``send_waits``), and PyTorch's DDP hides the gradient
+all-reduce in the backward where the script used it (``Run.overlapped_allreduce``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from cutpipe.plan.costs.calibration import blocking_sends
 from cutpipe.plan.costs.hardware import Hardware, gpu
-from cutpipe.plan.costs.model import (
-    ELEMENTWISE_PER_KEPT_BYTE,
-    Training,
-    optimizer_time,
-    p2p_time,
-)
-from cutpipe.plan.partition import groups
-from cutpipe.plan.recommend.evaluate import evaluate, job_items, ring_allreduce
+from cutpipe.plan.costs.model import Training, p2p_time, score_traffic, w_memory
+from cutpipe.plan.partition import groups, stage_costs
+from cutpipe.plan.recommend.evaluate import evaluate, job_items, simulated_counts
 from cutpipe.plan.recommend.job import Job, Layout
 from cutpipe.plan.recommend.plans import Plan
 from cutpipe.schedule.registry import schedule_info
+from cutpipe.sim.costs import Costs
+from cutpipe.sim.metrics import extrapolate, metrics
+from cutpipe.sim.simulate import simulate
 from cutpipe.spec import ModelSpec
 
 A100 = gpu("A100-80GB")
@@ -194,9 +196,18 @@ def measured_step(run: Run) -> float:
 
 @dataclass(frozen=True)
 class Prediction:
+    """A run through ``evaluate``, with what Megatron-LM's software did that ``evaluate``'s
+    schedules do not (``predict``)."""
+
     run: Run
     plan: Plan
-    step: float  # seconds, the planner's
+    send_waits: float  # seconds the blocking pipeline sends add (``send_waits``)
+    hidden_allreduce: float  # seconds of gradient all-reduce PyTorch's DDP hides in the backward
+
+    @property
+    def step(self) -> float:
+        """Seconds per iteration, the planner's."""
+        return self.plan.step_time + self.send_waits - self.hidden_allreduce
 
     @property
     def value(self) -> float:
@@ -216,82 +227,120 @@ class Prediction:
         return self.step / measured_step(self.run)
 
 
+def pipeline_send(run: Run, hardware: Hardware = A100) -> float:
+    """Seconds of one pipeline send, at the link ``evaluate`` charges the run's pipeline."""
+    return p2p_time(run.model, hardware, run.job(hardware).within_node, run.training())
+
+
+def send_waits(run: Run, plan: Plan, hardware: Hardware = A100) -> float:
+    """What Megatron-LM's blocking sends add to ``evaluate``'s step, in seconds.
+
+    Megatron's 1F1B and interleaved schedules wait for each send/receive pair after each pass
+    (``calibration.blocking_sends``); ``evaluate`` posts its sends, which delay only the pass
+    that receives. ``predict`` goes through ``evaluate`` as ``recommend`` does, so the
+    difference is added to its step: the plan's stages simulated both ways, on the costs
+    ``evaluate`` builds, extrapolated as it does for long steps. It is not ``2*v*m`` sends (two
+    per microbatch and chunk): the posted sends already cost the step part of that, where a
+    tight schedule waits for them.
+    """
+    if run.pp == 1:
+        return 0.0
+    model, info = run.model, schedule_info(run.schedule)
+    items = job_items(run.job(hardware), 1, run.training())
+    posted = stage_costs(items, plan.stage_sizes, pipeline_send(run, hardware), w_memory(model))
+    blocking = blocking_sends(posted, run.pp * run.chunks)
+    short, long = simulated_counts(info, run.pp, run.microbatches)
+
+    def makespan(costs: Costs) -> float:
+        result = metrics(simulate(info.generate(run.pp, short), costs), costs)
+        if long is not None:
+            longer = metrics(simulate(info.generate(run.pp, long), costs), costs)
+            result = extrapolate(result, longer, run.microbatches)
+        return result.makespan
+
+    return makespan(blocking) - makespan(posted)
+
+
 def predict(run: Run, hardware: Hardware = A100) -> Prediction:
-    """The run through ``evaluate`` with its published layout and setting forced."""
+    """The run through ``evaluate`` with its published layout and setting forced, then as
+    Megatron-LM ran it: its sends blocking (``send_waits``) and, on the runs that used PyTorch's
+    DDP, the gradient all-reduce hidden in the backward (``evaluate`` charges it after)."""
     plan = evaluate(run.job(hardware), run.layout(), run.training())
     if not isinstance(plan, Plan):
         raise ValueError(f"{run.paper} {run.label}: the planner refuses it: {plan.reason}")
-    return Prediction(run, plan, plan.step_time)
+    hidden = plan.breakdown["dp_reduction"] if run.overlapped_allreduce else 0.0
+    return Prediction(run, plan, send_waits(run, plan, hardware), hidden)
+
+
+#: The columns of ``breakdown``, each the ``Plan.breakdown`` parts it sums.
+COLUMNS = {
+    "compute": ("forward", "backward", "weight"),
+    "recompute": ("recompute",),
+    "tp": ("tp_collectives",),
+    "sends": ("pipeline_sends",),
+    "bubble": ("bubble", "waiting"),
+    "dp reduction": ("dp_reduction",),
+    "optimizer": ("optimizer",),
+}
 
 
 def breakdown(prediction: Prediction) -> dict[str, float]:
-    """Where the predicted step goes on its busiest rank, in seconds: matmuls, elementwise work
-    and per-pass overhead (``compute``), tensor-parallel collectives (``tp``), the gradient
-    all-reduce and the optimizer step as ``evaluate`` charges them, and the rest (``bubble``:
-    the schedule's idle time, waits for pipeline sends included)."""
+    """Where the predicted step goes on its busiest rank, in seconds (``COLUMNS`` of
+    ``Plan.breakdown``): matmuls, elementwise work and per-pass overhead (``compute``), the
+    forward ``recompute`` reruns, TP collectives, pipeline sends (the blocking waits included),
+    the schedule's idle time, the exposed gradient all-reduce, the optimizer step."""
+    parts = prediction.plan.breakdown
+    unknown = {k for k, v in parts.items() if v > 1e-9} - {p for c in COLUMNS.values() for p in c}
+    if unknown:
+        raise ValueError(f"{prediction.run.label}: no column for {', '.join(sorted(unknown))}")
+    columns = {name: sum(parts.get(p, 0.0) for p in names) for name, names in COLUMNS.items()}
+    columns["sends"] += prediction.send_waits
+    columns["dp reduction"] -= prediction.hidden_allreduce
+    return columns
+
+
+def score_seconds(prediction: Prediction) -> float:
+    """The busiest rank's time in the softmax and dropout over the attention scores
+    (``score_traffic``): each of its layers moves them in F, in B and in the recomputed F."""
     run, plan = prediction.run, prediction.plan
-    m, sizes = run.microbatches, plan.stage_sizes
-    silent = replace(A100, intra_bandwidth=1e30, intra_latency=0.0)  # TP collectives free
+    model, hardware = run.model, A100
     info = schedule_info(run.schedule)
     placement = info.generate(run.pp, info.min_microbatches(run.pp)).placement
-    parts, free = (
-        groups(job_items(run.job(hardware), 1, run.training()), sizes)
-        for hardware in (A100, silent)
+    parts = groups(job_items(run.job(), 1, run.training()), plan.stage_sizes)
+    layers = sum(
+        item.name.startswith("layer")
+        for stage in placement.stages_of(plan.busiest_rank)
+        for item in parts[stage]
     )
-
-    def on_rank(parts: list, rank: int) -> float:
-        return sum(
-            i.forward + i.backward + i.weight for s in placement.stages_of(rank) for i in parts[s]
-        )
-
-    busiest = max(range(run.pp), key=lambda rank: on_rank(parts, rank))
-    busy, untimed = m * on_rank(parts, busiest), m * on_rank(free, busiest)
-    parameters = sum(i.parameters for s in placement.stages_of(busiest) for i in parts[s])
-    link = A100.link(within_node=run.gpus <= A100.gpus_per_node)
-    allreduce = ring_allreduce(parameters * run.model.element_bytes, run.dp, *link)
-    optimizer = optimizer_time(parameters, A100)
-    return {
-        "compute": untimed,
-        "tp": busy - untimed,
-        "allreduce": allreduce,
-        "optimizer": optimizer,
-        "bubble": prediction.step - busy - allreduce - optimizer,
-    }
+    forward, backward = score_traffic(model, model.tokens / run.tp)
+    moved = 2 * forward + backward if run.recompute != "none" else forward + backward
+    return run.microbatches * layers * moved / hardware.memory_bandwidth
 
 
-#: NCCL's all-reduce bus bandwidth on a DGX A100 (NVSwitch), commonly measured at about 230 of
-#: NVLink's 300 GB/s per direction: an assumption for ``what_ifs``, not a measurement here.
-NCCL_BUS_BANDWIDTH = 230e9
+#: The modelled effects ``without`` takes out, one at a time.
+EFFECTS = ("send waits", "DDP overlap", "no SP", "NCCL share", "score traffic")
 
 
-def what_ifs(prediction: Prediction) -> dict[str, float]:
-    """The predicted step (seconds) with one effect the planner leaves out added, each alone,
-    then all together:
+def without(prediction: Prediction, effect: str) -> float:
+    """The predicted step (seconds) with one of ``EFFECTS`` taken out of the model:
 
-    - ``blocking sends``: Megatron waits for each pipeline send after each pass, two per
-      microbatch and chunk on every rank (``calibration.blocking_sends``);
-    - ``no SP``: without sequence parallelism every TP rank runs the norms, dropouts and
-      residuals on the whole activation: Korthikanti et al.'s ``10sbh`` bytes of the layer's
-      ``34sbh``, in each forward, backward and recomputed forward, at the planner's
-      elementwise traffic per kept byte;
-    - ``TP at NCCL``: the TP collectives at ``NCCL_BUS_BANDWIDTH``;
-    - ``DDP overlap``: PyTorch's DDP hides the gradient all-reduce in the backward.
+    - ``send waits``: Megatron's sends posted as ``evaluate`` posts them;
+    - ``DDP overlap``: the gradient all-reduce after the backward;
+    - ``no SP``: the runs without sequence parallelism priced with it (norms, dropouts and
+      residuals split over the TP ranks);
+    - ``NCCL share``: TP collectives at the node fabric's full bandwidth;
+    - ``score traffic``: the softmax and dropout over the scores free (``score_seconds``; the
+      elementwise constant was refitted with them, so this is their share, not a refit).
     """
     run, step = prediction.run, prediction.step
-    parts = breakdown(prediction)
-    m, model, t = run.microbatches, run.model, run.tp
-    send = p2p_time(model, A100, within_node=run.gpus <= A100.gpus_per_node,
-                    training=run.training())  # fmt: skip
-    passes = 3 if run.recompute == "full" else 2
-    replicated = 5 * model.element_bytes * model.tokens * model.hidden * (1 - 1 / t)
-    changes = {
-        "blocking sends": 2 * run.chunks * m * send if run.pp > 1 else 0.0,
-        "no SP": 0.0 if run.sequence_parallel else (
-            m * model.layers / run.pp * passes * ELEMENTWISE_PER_KEPT_BYTE * replicated
-            / A100.memory_bandwidth
-        ),
-        "TP at NCCL": parts["tp"] * (A100.intra_bandwidth / NCCL_BUS_BANDWIDTH - 1),
-        "DDP overlap": -parts["allreduce"] if run.overlapped_allreduce else 0.0,
-    }  # fmt: skip
-    return {**{name: step + change for name, change in changes.items()},
-            "all": step + sum(changes.values())}  # fmt: skip
+    if effect == "send waits":
+        return step - prediction.send_waits
+    if effect == "DDP overlap":
+        return step + prediction.hidden_allreduce
+    if effect == "no SP":
+        return predict(replace(run, sequence_parallel=True)).step if run.tp > 1 else step
+    if effect == "NCCL share":
+        return predict(run, replace(A100, collective_bandwidth_share=1.0)).step
+    if effect == "score traffic":
+        return step - score_seconds(prediction)
+    raise ValueError(f"effect must be one of {', '.join(EFFECTS)}, got {effect!r}")
