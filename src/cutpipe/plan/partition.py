@@ -17,6 +17,7 @@ from itertools import accumulate, pairwise, permutations
 
 from cutpipe.plan.costs.model import ItemCost
 from cutpipe.plan.progress import progress
+from cutpipe.plan.screen import Screen
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.memory import live_profile, peak_activations, peak_from_profile
@@ -26,6 +27,8 @@ from cutpipe.sim.simulate import simulate
 #: The most ops of a schedule ``balance`` searches over (it simulates the step once per
 #: candidate move, hundreds of times): about half a minute of search at the limit.
 MAX_BALANCED_OPS = 25_000
+#: Moves ``screened_descent`` weighs at once after an improvement (doubling while none helps).
+FIRST_BATCH = 64
 
 
 def groups(items: Sequence[ItemCost], sizes: Sequence[int]) -> list[list[ItemCost]]:
@@ -121,7 +124,7 @@ def compute_balanced_sizes(items: Sequence[ItemCost], stages: int) -> list[int]:
 
 def rank_balanced_sizes(
     items: Sequence[ItemCost], schedule: Schedule, capacity: float | None = None,
-    comm: float = 0.0, w_memory: float = 0.5,
+    comm: float = 0.0, w_memory: float = 0.5, screened: bool = True,
 ) -> list[int]:  # fmt: skip
     """``compute_balanced_sizes``, then items moved between stages while the busiest rank's
     work shrinks: on a V a rank runs stages r and 2R-1-r, so equal stages are not equal ranks.
@@ -130,7 +133,9 @@ def rank_balanced_sizes(
     one long chunk holds up every rank behind it however even the rank totals are.
     With ``capacity`` (bytes), first of all while the fullest rank's memory shrinks towards it.
     Arithmetic and op-order memory only, no timing, so ``recommend`` can afford it for every
-    candidate (give it a short ``schedule``: the memory peak does not grow with the step)."""
+    candidate (give it a short ``schedule``: the memory peak does not grow with the step).
+    ``screened``: weigh the moves in batches with numpy and score exactly only those that may
+    improve (``cutpipe.plan.screen``; the same steps and split as scoring every move)."""
     placement = schedule.placement
     stages = placement.num_stages
     work = [item.forward + item.backward + item.weight for item in items]
@@ -171,11 +176,17 @@ def rank_balanced_sizes(
         )
         return over, stage_order, max(ranks), sum(x * x for x in ranks)
 
+    screen = None
+    if screened:
+        memory = (live, held, stored) if capacity is not None else None
+        screen = Screen(runs, placement.num_ranks, prefix, by_chunk, memory, capacity)
     sizes = compute_balanced_sizes(items, stages)
     if capacity is not None:  # first under the cap, moving only the fullest rank's items
-        sizes = relieve(sizes, memory_of, capacity, [stages for stages, _ in live])
+        sizes = relieve(sizes, memory_of, capacity, [stages for stages, _ in live], screen)
         if max(memory_of(sizes)) > capacity:
             return sizes  # no split fits: the caller says by how much
+    if screen is not None:
+        return screened_descent(sizes, score, screen)
     best = score(sizes)
     improved = True
     while improved:  # first improvement, scanning on from it (cheaper than steepest descent)
@@ -191,27 +202,66 @@ def rank_balanced_sizes(
     return sizes
 
 
+def moved(sizes: Sequence[int], giver: int, taker: int) -> list[int]:
+    trial = list(sizes)
+    trial[giver] -= 1
+    trial[taker] += 1
+    return trial
+
+
+def screened_descent(
+    sizes: list[int], score: Callable[[list[int]], tuple], screen: Screen
+) -> list[int]:
+    """``rank_balanced_sizes``'s first-improvement passes, the moves weighed in batches by
+    ``screen`` and scored exactly only where they may improve: the same moves in the same order,
+    so the same split. A batch grows while it finds nothing (the last pass finds nothing)."""
+    order = list(permutations(range(len(sizes)), 2))
+    best = score(sizes)
+    position, batch, improved = 0, FIRST_BATCH, False
+    while True:
+        if position >= len(order):
+            if not improved:
+                return sizes
+            position, batch, improved = 0, FIRST_BATCH, False
+        moves = order[position : position + batch]
+        for index in screen.maybe_better(sizes, moves, best):
+            trial = moved(sizes, *moves[index])
+            value = score(trial)
+            if value < best:
+                sizes, best, improved = trial, value, True
+                position += index + 1
+                batch = FIRST_BATCH
+                break
+        else:
+            position += len(moves)
+            batch *= 2
+
+
 def relieve(
     sizes: list[int], memory_of: Callable[[list[int]], list[float]], capacity: float,
-    held: Sequence[Sequence[int]],
+    held: Sequence[Sequence[int]], screen: Screen | None = None,
 ) -> list[int]:  # fmt: skip
     """Steepest descent on the fullest rank's memory, each move giving one of that rank's
-    stages' items to another stage, until it fits under ``capacity`` or no move helps."""
+    stages' items to another stage, until it fits under ``capacity`` or no move helps.
+    With ``screen``, only the moves whose memory numpy puts near the least are weighed exactly."""
     memory = memory_of(sizes)
     while max(memory) > capacity:
         fullest = max(range(len(memory)), key=memory.__getitem__)
         best, best_peak = None, max(memory)
-        for giver in held[fullest]:
-            if sizes[giver] < 2:
-                continue
-            for taker in range(len(sizes)):
-                if taker != giver:
-                    trial = list(sizes)
-                    trial[giver] -= 1
-                    trial[taker] += 1
-                    peak = max(memory_of(trial))
-                    if peak < best_peak:
-                        best, best_peak = trial, peak
+        moves = [
+            (giver, taker)
+            for giver in held[fullest]
+            if sizes[giver] >= 2
+            for taker in range(len(sizes))
+            if taker != giver
+        ]
+        if screen is not None and moves:
+            moves = [moves[i] for i in screen.least_peaks(screen.trials(sizes, moves))]
+        for giver, taker in moves:
+            trial = moved(sizes, giver, taker)
+            peak = max(memory_of(trial))
+            if peak < best_peak:
+                best, best_peak = trial, peak
         if best is None:
             break
         sizes, memory = best, memory_of(best)
