@@ -179,7 +179,7 @@ def rank_balanced_sizes(
     screen = None
     if screened:
         memory = (live, held, stored) if capacity is not None else None
-        screen = Screen(runs, placement.num_ranks, prefix, by_chunk, memory, capacity)
+        screen = Screen(runs, placement.num_ranks, prefix, scale, by_chunk, memory, capacity)
     sizes = compute_balanced_sizes(items, stages)
     if capacity is not None:  # first under the cap, moving only the fullest rank's items
         sizes = relieve(sizes, memory_of, capacity, [stages for stages, _ in live], screen)
