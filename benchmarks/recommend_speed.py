@@ -24,7 +24,7 @@ from cutpipe.plan.recommend.recommend import Rejected, recommend
 
 ROOT = Path(__file__).parent.parent
 KEEP = 12  # what ``cutpipe recommend`` keeps (its --top or 12)
-UNSIMULATED = "even with no bubble and no communication"  # a throughput bound's refusal
+UNSIMULATED = "even with no bubble"  # a throughput bound's refusal
 
 
 @dataclass(frozen=True)

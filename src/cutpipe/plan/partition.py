@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise, permutations
 
+import numpy as np
+
 from cutpipe.plan.costs.model import ItemCost
 from cutpipe.plan.progress import progress
 from cutpipe.plan.screen import Screen
@@ -215,7 +217,7 @@ def screened_descent(
     """``rank_balanced_sizes``'s first-improvement passes, the moves weighed in batches by
     ``screen`` and scored exactly only where they may improve: the same moves in the same order,
     so the same split. A batch grows while it finds nothing (the last pass finds nothing)."""
-    order = list(permutations(range(len(sizes)), 2))
+    order = np.array(list(permutations(range(len(sizes)), 2)), dtype=np.intp)
     best = score(sizes)
     position, batch, improved = 0, FIRST_BATCH, False
     while True:
@@ -225,7 +227,7 @@ def screened_descent(
             position, batch, improved = 0, FIRST_BATCH, False
         moves = order[position : position + batch]
         for index in screen.maybe_better(sizes, moves, best):
-            trial = moved(sizes, *moves[index])
+            trial = moved(sizes, *moves[index].tolist())
             value = score(trial)
             if value < best:
                 sizes, best, improved = trial, value, True
@@ -256,7 +258,8 @@ def relieve(
             if taker != giver
         ]
         if screen is not None and moves:
-            moves = [moves[i] for i in screen.least_peaks(screen.trials(sizes, moves))]
+            rows = screen.trials(sizes, np.array(moves, dtype=np.intp))
+            moves = [moves[i] for i in screen.least_peaks(rows)]
         for giver, taker in moves:
             trial = moved(sizes, giver, taker)
             peak = max(memory_of(trial))
@@ -278,9 +281,14 @@ def chunked(schedule: Schedule) -> bool:
     return placement.kind != "v" and held > 1
 
 
-def rank_memory(schedule: Schedule, costs: Costs, state_bytes: Sequence[float]) -> list[float]:
-    """Per rank: training state of the stages it stores (copies count) plus peak activations."""
-    activations = peak_activations(schedule, costs)
+def rank_memory(
+    schedule: Schedule, costs: Costs, state_bytes: Sequence[float],
+    activations: Sequence[float] | None = None,
+) -> list[float]:  # fmt: skip
+    """Per rank: training state of the stages it stores (copies count) plus peak activations
+    (``activations``, when known: ``peak_activations(schedule, costs)``)."""
+    if activations is None:
+        activations = peak_activations(schedule, costs)
     return [
         sum(state_bytes[s] for s in schedule.placement.stages_of(r)) + activations[r]
         for r in range(schedule.num_ranks)

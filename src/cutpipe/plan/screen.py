@@ -55,20 +55,18 @@ class Screen:
                 for stages, frontier in live
             ]
 
-    def trials(self, sizes: Sequence[int], moves: Sequence[tuple[int, int]]) -> np.ndarray:
-        """One row of stage sizes per (giver, taker) move; rows whose giver has one item are
-        left out by the caller (``givable``)."""
-        giver, taker = np.asarray(moves, dtype=np.intp).T
+    def trials(self, sizes: Sequence[int], moves: np.ndarray) -> np.ndarray:
+        """One row of stage sizes per (giver, taker) row of ``moves``; rows whose giver has
+        one item are left out by the caller (``givable``)."""
         rows = np.tile(np.asarray(sizes, dtype=np.intp), (len(moves), 1))
         index = np.arange(len(moves))
-        rows[index, giver] -= 1
-        rows[index, taker] += 1
+        rows[index, moves[:, 0]] -= 1
+        rows[index, moves[:, 1]] += 1
         return rows
 
     @staticmethod
-    def givable(sizes: Sequence[int], moves: Sequence[tuple[int, int]]) -> np.ndarray:
-        giver = np.asarray(moves, dtype=np.intp)[:, 0]
-        return np.asarray(sizes, dtype=np.intp)[giver] > 1
+    def givable(sizes: Sequence[int], moves: np.ndarray) -> np.ndarray:
+        return np.asarray(sizes, dtype=np.intp)[moves[:, 0]] > 1
 
     def _bounds(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ends = np.cumsum(rows, axis=1)
@@ -103,9 +101,7 @@ class Screen:
             return 0.0
         return MEMORY_TOLERANCE * max(1.0, float(np.abs(values).max(initial=0.0)))
 
-    def maybe_better(
-        self, sizes: Sequence[int], moves: Sequence[tuple[int, int]], best: tuple
-    ) -> list[int]:
+    def maybe_better(self, sizes: Sequence[int], moves: np.ndarray, best: tuple) -> list[int]:
         """The indices of ``moves`` (in order) whose exact score may be below ``best``, the
         exact score of ``sizes``; every other move's is not."""
         rows = self.trials(sizes, moves)

@@ -8,7 +8,7 @@ step time and memory measures), or it is a ``Rejected`` with the reason.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 from cutpipe.plan.costs.model import (
@@ -34,13 +34,16 @@ from cutpipe.plan.recommend.plans import Plan, Rejected
 from cutpipe.plan.recommend.settings import Search
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.sim.costs import Costs
-from cutpipe.sim.metrics import extrapolate, metrics
+from cutpipe.sim.memory import peak_activations
+from cutpipe.sim.metrics import Metrics, extrapolate, metrics
 from cutpipe.sim.simulate import simulate
 
 NEAR_MISS = 1.25  # a compute-balanced split this far over the memory gets a memory-aware one
 #: ``evaluate`` simulates at most this many microbatches per rank and extrapolates beyond.
 SIMULATED_PER_RANK = 8
 SIMULATED_AT_LEAST = 16  # a V's warm-up settles later on few ranks
+#: ``throughput_bound``'s margin over float rounding in the steps it is compared with.
+BOUND_ROUNDING = 1e-9
 
 
 def job_items(job: Job, ep: int, training: Training = PLAIN) -> list[ItemCost]:
@@ -84,14 +87,17 @@ def check_layout(job: Job, layout: Layout, training: Training) -> None:
 
 def evaluate(
     job: Job, layout: Layout, training: Training = PLAIN, rebalance: bool = True,
-    cache: dict | None = None,
+    cache: dict | None = None, *, screened: bool = True,
 ) -> Plan | Rejected:  # fmt: skip
     """Simulate one candidate; a ``Rejected`` with the reason where it cannot run or fit.
 
     ``training``: the ZeRO stage (over the layout's DP), recompute, precision and TP (the
     layout's). ``rebalance``: whether a split within ``NEAR_MISS`` of the memory gets a
-    memory-aware one; ``cache`` keeps items, schedules and compute-balanced splits between
-    calls."""
+    memory-aware one; ``cache`` keeps items, schedules, compute-balanced splits, activation
+    peaks and simulations between calls (settings and layouts that differ only in what the
+    simulator does not read, such as ZeRO or DP at one pipeline shape, share them).
+    ``screened``: the balancer weighs its moves in batches (``rank_balanced_sizes``); False
+    scores each alone, the reference it matches."""
     check_layout(job, layout, training)
     model, hardware, capacity = job.model, job.hardware, job.capacity
     pp, dp, ep, m = layout.pp, layout.dp, layout.ep, layout.microbatches
@@ -125,26 +131,37 @@ def evaluate(
     def weigh(sizes: list[int]) -> tuple[Costs, list[float]]:
         costs = stage_costs(items, sizes, comm, kept)
         state = stage_state_bytes(items, sizes)
-        return costs, [m + buffers for m in rank_memory(schedule, costs, state)]
+        peaks = _memo(
+            cache, ("peaks", info.spec, pp, short_m, tuple(costs.activation), kept),
+            lambda: peak_activations(schedule, costs),
+        )  # fmt: skip
+        return costs, [m + buffers for m in rank_memory(schedule, costs, state, peaks)]
+
+    def simulated(count: int, costs: Costs) -> Metrics:
+        """One step's metrics at ``count`` microbatches, once per schedule and costs."""
+        run = _memo(cache, ("schedule", info.spec, pp, count), lambda: info.generate(pp, count))
+        key = ("metrics", info.spec, pp, count, costs_key(costs))
+        return _memo(cache, key, lambda: metrics(simulate(run, costs), costs))
 
     work = tuple(item.forward + item.backward + item.weight for item in items)
     sizes = _memo(
-        cache, ("split", info.spec, pp, work), lambda: rank_balanced_sizes(items, schedule)
-    )
+        cache, ("split", info.spec, pp, work),
+        lambda: rank_balanced_sizes(items, schedule, screened=screened),
+    )  # fmt: skip
     costs, memory = weigh(sizes)
     if max(memory) > capacity:
         if not rebalance or max(memory) > NEAR_MISS * capacity:
             return rejected(over_memory(memory, capacity), max(memory) - capacity)
         # move layers off the fullest ranks
-        sizes = rank_balanced_sizes(items, schedule, capacity - buffers, comm, kept)
+        sizes = rank_balanced_sizes(
+            items, schedule, capacity - buffers, comm, kept, screened=screened
+        )
         costs, memory = weigh(sizes)
         if max(memory) > capacity:
             return rejected(over_memory(memory, capacity), max(memory) - capacity)
-    result = metrics(simulate(schedule, costs), costs)
+    result = simulated(short_m, costs)
     if long_m is not None:
-        long = _memo(cache, ("schedule", info.spec, pp, long_m), lambda: info.generate(pp, long_m))
-        longer = metrics(simulate(long, costs), costs)
-        result = extrapolate(result, longer, m)
+        result = extrapolate(result, simulated(long_m, costs), m)
     bandwidth, latency = hardware.link(within_node=job.within_node)
     parts = groups(items, sizes)
     experts = [sum(i.expert_parameters for i in part) for part in parts]
@@ -205,6 +222,14 @@ def evaluate(
                 min(1.0, comm_time / step), sizes, measure, training, where)  # fmt: skip
 
 
+def costs_key(costs: Costs) -> tuple:
+    """Every field of ``costs``, hashable: two costs with one key simulate alike."""
+    return tuple(
+        tuple(value) if isinstance(value, list) else value
+        for value in (getattr(costs, field.name) for field in fields(costs))
+    )
+
+
 def simulated_counts(info, pp: int, microbatches: int) -> tuple[int, int | None]:
     """The microbatch counts ``evaluate`` simulates: the step itself when it is short, else a
     short step and one a period longer, whose difference ``extrapolate`` carries to the whole
@@ -230,12 +255,51 @@ def _memo(cache: dict | None, key: tuple, make: Callable[[], Any]) -> Any:
 
 def throughput_bound(job: Job, layout: Layout, search: Search, cache: dict) -> float:
     """Tokens/s no setting of ``layout`` can beat: every rank busy all the time with its share
-    of the least work (no recompute, no ZeRO-3 gathers), nothing else in the step."""
+    of the setting's work; no bubble, no pipeline transfers, no exposed all-to-all; and, when
+    steps synchronise, the average rank's gradient all-reduce (its bandwidth term) and
+    optimizer step after it.
+
+    The busy times add up to the microbatches' F, B and W (an overlapped pair takes at least
+    its two halves), and the extrapolated makespan is at least every rank's busy time; the
+    sync step adds the largest all-reduce and optimizer step, which grow linearly with the
+    parameters a rank stores, so at least the average rank's. The overlap step is a rank's
+    span plus its own: extrapolated spans can fall a little below the busy times they
+    contain, and the all-reduce and optimizer step are the margin left for that."""
     pp, dp, ep, m = layout.pp, layout.dp, layout.ep, layout.microbatches
-    least = Training(0, dp, "none", search.fp8, layout.tp)
-    items = _memo(cache, ("items", ep, least), lambda: job_items(job, ep, least))
-    step = m * sum(item.forward + item.backward + item.weight for item in items) / pp
-    return job.model.tokens * m * dp / step
+    info = schedule_info(layout.schedule)
+    copies = _memo(cache, ("copies", info.spec, pp), lambda: least_copies(info, pp))
+    bandwidth, _ = job.hardware.link(within_node=job.within_node)
+    grad = job.model.element_bytes
+    best = 0.0
+    for group in search.settings(dp, layout.tp, pp):
+        for training in group:
+            items = _memo(cache, ("items", ep, training), lambda t=training: job_items(job, ep, t))
+            work = sum(item.forward + item.backward + item.weight for item in items)
+            stored = copies * sum(item.parameters for item in items) / pp
+            routed = copies * sum(item.expert_parameters for item in items) / pp
+            share = 0.5 if training.zero == 3 else 1.0
+            allreduce = share * (
+                ring_bandwidth_term((stored - routed) * grad, dp, bandwidth)
+                + ring_bandwidth_term(routed * grad, dp // ep, bandwidth)
+            )
+            optimizer = optimizer_time(stored, job.hardware, training, routed, ep)
+            step = m * work / pp
+            if job.step_measure == "makespan":
+                step += allreduce + optimizer
+            best = max(best, job.model.tokens * m * dp / step)
+    return best * (1 + BOUND_ROUNDING)
+
+
+def least_copies(info, pp: int) -> int:
+    """The fewest ranks that store any one stage of the schedule on ``pp`` ranks (two for
+    DualPipe's), from its placement, which does not depend on the microbatches."""
+    placement = info.generate(pp, info.min_microbatches(pp)).placement
+    return min(len(placement.copies(stage)) for stage in range(placement.num_stages))
+
+
+def ring_bandwidth_term(size: float, ranks: int, bandwidth: float) -> float:
+    """``ring_allreduce`` without its latency: linear in ``size``, and never more than it."""
+    return 2 * (ranks - 1) / ranks * size / bandwidth if ranks > 1 else 0.0
 
 
 def ring_allreduce(size: float, ranks: int, bandwidth: float, latency: float) -> float:
