@@ -22,7 +22,7 @@ from cutpipe.plan.progress import progress
 from cutpipe.plan.screen import Screen
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
-from cutpipe.sim.memory import live_profile, peak_activations, peak_from_profile
+from cutpipe.sim.memory import LiveProfile, live_profile, peak_activations, peak_from_profile
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
 
@@ -127,6 +127,7 @@ def compute_balanced_sizes(items: Sequence[ItemCost], stages: int) -> list[int]:
 def rank_balanced_sizes(
     items: Sequence[ItemCost], schedule: Schedule, capacity: float | None = None,
     comm: float = 0.0, w_memory: float = 0.5, screened: bool = True,
+    live: LiveProfile | None = None,
 ) -> list[int]:  # fmt: skip
     """``compute_balanced_sizes``, then items moved between stages while the busiest rank's
     work shrinks: on a V a rank runs stages r and 2R-1-r, so equal stages are not equal ranks.
@@ -137,7 +138,8 @@ def rank_balanced_sizes(
     Arithmetic and op-order memory only, no timing, so ``recommend`` can afford it for every
     candidate (give it a short ``schedule``: the memory peak does not grow with the step).
     ``screened``: weigh the moves in batches with numpy and score exactly only those that may
-    improve (``cutpipe.plan.screen``; the same steps and split as scoring every move)."""
+    improve (``cutpipe.plan.screen``; the same steps and split as scoring every move).
+    ``live``: the schedule's ``live_profile(schedule, w_memory)``, when known."""
     placement = schedule.placement
     stages = placement.num_stages
     work = [item.forward + item.backward + item.weight for item in items]
@@ -147,7 +149,7 @@ def rank_balanced_sizes(
     prefix = [0.0, *accumulate(work)]
     runs = [(stage, rank) for pipe in placement.pipes for stage, rank in enumerate(pipe)]
     if capacity is not None:
-        live = live_profile(schedule, w_memory)
+        live = live if live is not None else live_profile(schedule, w_memory)
         held = [0.0, *accumulate(item.activation for item in items)]
         stored = [0.0, *accumulate(item.state_bytes for item in items)]
 

@@ -32,9 +32,10 @@ from cutpipe.plan.recommend.footprint import buffer_bytes, footprint
 from cutpipe.plan.recommend.job import Job, Layout
 from cutpipe.plan.recommend.plans import Plan, Rejected
 from cutpipe.plan.recommend.settings import Search
+from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.registry import schedule_info
 from cutpipe.sim.costs import Costs
-from cutpipe.sim.memory import peak_activations
+from cutpipe.sim.memory import live_profile, peak_activations
 from cutpipe.sim.metrics import Metrics, extrapolate, metrics
 from cutpipe.sim.simulate import simulate
 
@@ -112,12 +113,9 @@ def evaluate(
     if stages > len(items):
         return rejected(too_few_items(stages, pp, len(items)))
     short_m, long_m = simulated_counts(info, pp, m)
-    # a short step peaks as high as the whole one
-    schedule = _memo(
-        cache, ("schedule", info.spec, pp, short_m), lambda: info.generate(pp, short_m)
-    )
     # the training state alone, however split: the average rank's share of every copy
-    floor = sum(item.state_bytes for item in items) * len(schedule.placement.pipes) / pp
+    placement = _memo(cache, ("placement", info.spec, pp), lambda: placement_of(info, pp))
+    floor = sum(item.state_bytes for item in items) * len(placement.pipes) / pp
     if floor + buffers > capacity:
         need = floor + buffers
         reason = (
@@ -125,6 +123,10 @@ def evaluate(
             f"{capacity / 1e9:.1f} GB usable ({(need - capacity) / 1e9:.1f} GB over)"
         )
         return rejected(reason, need - capacity)
+    # a short step peaks as high as the whole one
+    schedule = _memo(
+        cache, ("schedule", info.spec, pp, short_m), lambda: info.generate(pp, short_m)
+    )
     comm = p2p_time(model, hardware, job.within_node, training)
     kept = job.profile.w_memory if job.profile else w_memory(model)
 
@@ -153,8 +155,11 @@ def evaluate(
         if not rebalance or max(memory) > NEAR_MISS * capacity:
             return rejected(over_memory(memory, capacity), max(memory) - capacity)
         # move layers off the fullest ranks
+        live = _memo(
+            cache, ("live", info.spec, pp, short_m, kept), lambda: live_profile(schedule, kept)
+        )
         sizes = rank_balanced_sizes(
-            items, schedule, capacity - buffers, comm, kept, screened=screened
+            items, schedule, capacity - buffers, comm, kept, screened=screened, live=live
         )
         costs, memory = weigh(sizes)
         if max(memory) > capacity:
@@ -267,7 +272,8 @@ def throughput_bound(job: Job, layout: Layout, search: Search, cache: dict) -> f
     contain, and the all-reduce and optimizer step are the margin left for that."""
     pp, dp, ep, m = layout.pp, layout.dp, layout.ep, layout.microbatches
     info = schedule_info(layout.schedule)
-    copies = _memo(cache, ("copies", info.spec, pp), lambda: least_copies(info, pp))
+    placement = _memo(cache, ("placement", info.spec, pp), lambda: placement_of(info, pp))
+    copies = min(len(placement.copies(stage)) for stage in range(placement.num_stages))
     bandwidth, _ = job.hardware.link(within_node=job.within_node)
     grad = job.model.element_bytes
     best = 0.0
@@ -290,11 +296,10 @@ def throughput_bound(job: Job, layout: Layout, search: Search, cache: dict) -> f
     return best * (1 + BOUND_ROUNDING)
 
 
-def least_copies(info, pp: int) -> int:
-    """The fewest ranks that store any one stage of the schedule on ``pp`` ranks (two for
-    DualPipe's), from its placement, which does not depend on the microbatches."""
-    placement = info.generate(pp, info.min_microbatches(pp)).placement
-    return min(len(placement.copies(stage)) for stage in range(placement.num_stages))
+def placement_of(info, pp: int) -> Placement:
+    """Where the schedule puts its stages on ``pp`` ranks, from its shortest step: the
+    placement does not depend on the microbatches."""
+    return info.generate(pp, info.min_microbatches(pp)).placement
 
 
 def ring_bandwidth_term(size: float, ranks: int, bandwidth: float) -> float:

@@ -207,7 +207,8 @@ def ranked_plans(
     fast one matches exactly (tests/test_recommend_speed.py)."""
     plans: list[Plan] = []
     cache: dict | None = None if reference else {}
-    bounds = {layout: throughput_bound(job, layout, search, {}) for layout in layouts}
+    known = cache if cache is not None else {}  # the items the bounds make, kept for evaluate
+    bounds = {layout: throughput_bound(job, layout, search, known) for layout in layouts}
     ordered = sorted(layouts, key=bounds.__getitem__, reverse=True)  # a higher bar sooner
     leaders: list[float] = []  # a min-heap of the ``keep`` best tokens/s so far
     with progress("simulating layouts", total=len(ordered)) as tick:
