@@ -26,6 +26,8 @@ from cutpipe.plan.recommend.recommend import (
 )
 from cutpipe.plan.screen import python_sum, replays_python_sum
 from cutpipe.schedule.registry import schedule_info
+from cutpipe.sim.costs import Costs
+from cutpipe.sim.memory import activation_trace, peak_activations
 from cutpipe.spec import ModelSpec
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "models"
@@ -135,3 +137,18 @@ def test_the_sync_bound_adds_the_average_ranks_all_reduce_and_optimizer_step():
     assert bound < DENSE.tokens * 32 * 8 / (32 * work / 4)
     plans, dropped = plans_of(DENSE, 32, None, ["1f1b", "zbv", "dualpipev"], 12, False)
     assert len(plans) >= 12 and any("even with no bubble" in r.reason for r in dropped)
+
+
+@pytest.mark.parametrize(
+    "name", ["1f1b", "zbh2", "interleaved:chunks=2", "zbv", "dualpipe", "dualpipev"]
+)
+def test_peak_activations_are_the_running_sums_peaks_bit_for_bit(name):
+    """The numpy running sum adds the same changes in the same order as
+    ``activation_trace`` (an overlapped pair's F before its backward), so the peaks are
+    equal to the last bit, with uneven activations and a W that keeps 30 %."""
+    schedule = schedule_info(name).generate(4, 12)
+    rng = random.Random(5)
+    costs = Costs(activation=[rng.uniform(1e6, 1e9) for _ in range(schedule.num_stages)],
+                  w_memory=0.3)  # fmt: skip
+    traced = [max(high for high, _ in rank) for rank in activation_trace(schedule, costs)]
+    assert peak_activations(schedule, costs) == traced
