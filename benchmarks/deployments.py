@@ -23,8 +23,8 @@ from cutpipe.plan.recommend.recommend import recommend
 MODELS = Path(__file__).parent.parent / "examples" / "models"
 #: (name, model file, GPU, devices, sequences per step, published (PP, DP, EP, TP))
 DEPLOYMENTS = [
-    ("DeepSeek-V3", "deepseek-v3-like.yaml", "H800", 2048, 15360, (16, 128, 64, 1)),
-    ("Llama 3 405B", "llama3-405b.yaml", "H100", 8192, 2048, (16, 64, 1, 8)),
+    ("DeepSeek-V3", "deepseek-v3-like.yaml", "H800", 2048, 15360, (16, 128, 64, 1, 1)),
+    ("Llama 3 405B", "llama3-405b.yaml", "H100", 8192, 2048, (16, 64, 1, 8, 1)),
 ]
 
 

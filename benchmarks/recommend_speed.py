@@ -42,7 +42,9 @@ WORKLOADS = [
     Workload("dense-1t", ROOT / "benchmarks/models/dense-1t.yaml", "A100-80GB", 3072, 3072),
     Workload("llama3-405b", ROOT / "examples/models/llama3-405b.yaml", "H100", 16384, 2048),
     Workload("deepseek-v3 2k", ROOT / "examples/models/deepseek-v3-like.yaml", "H800", 2048, 15360),
-    Workload("deepseek-v3 16k", ROOT / "examples/models/deepseek-v3-like.yaml", "H800", 16384, 61440),
+    Workload(
+        "deepseek-v3 16k", ROOT / "examples/models/deepseek-v3-like.yaml", "H800", 16384, 61440
+    ),
 ]
 
 

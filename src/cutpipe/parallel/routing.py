@@ -167,6 +167,21 @@ def model_routing_statistics(
     A call on every rank of ``group``, with the tensor on ``device`` (the collective's: a rank
     holding no MoE layer has none of its own); ``reset`` starts the tallies again once read.
     """
+    return start_model_routing_statistics(modules, names, num_experts, group, reset, device)()
+
+
+def start_model_routing_statistics(
+    modules: nn.Module | Iterable[nn.Module] | Mapping[Any, nn.Module],
+    names: Sequence[str],
+    num_experts: int,
+    group: dist.ProcessGroup | None = None,
+    reset: bool = False,
+    device: torch.device | None = None,
+) -> Callable[[], RoutingStats]:
+    """``model_routing_statistics`` with its all-reduce started now and waited for when the
+    returned function is called: a trainer starts it as the pipeline step ends and reads it
+    after the optimizer step, so the collective's wait hides behind that work. The tallies are
+    copied now; ``reset`` clears them at the read."""
     layers = moe_layers_of(modules)
     unknown = sorted(set(layers) - set(names))
     if unknown:
@@ -177,13 +192,18 @@ def model_routing_statistics(
     row_of = {name: index for index, name in enumerate(names)}
     for name, moe in layers.items():
         table[row_of[name]] += _tally_row(moe)
-    dist.all_reduce(table, group=group)
-    values = table.tolist()
-    stats = {name: _layer_routing(row) for name, row in zip(names, values, strict=True)}
-    if reset:
-        for moe in layers.values():
-            moe.tally.reset()
-    return RoutingStats(dict(sorted(stats.items())))
+    work = dist.all_reduce(table, group=group, async_op=True)
+
+    def read() -> RoutingStats:
+        work.wait()
+        values = table.tolist()
+        stats = {name: _layer_routing(row) for name, row in zip(names, values, strict=True)}
+        if reset:
+            for moe in layers.values():
+                moe.tally.reset()
+        return RoutingStats(dict(sorted(stats.items())))
+
+    return read
 
 
 def reset_routing_statistics(

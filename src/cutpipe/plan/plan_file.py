@@ -5,10 +5,10 @@ JSON, one object (docs/plan.md, "Plan files")::
 
     {"format": "cutpipe.plan", "version": 1,
      "model": "tiny-dense", "layers": 8,
-     "layout": {"pp": 4, "dp": 1, "ep": 1, "tp": 1},
+     "layout": {"pp": 4, "dp": 1, "ep": 1, "tp": 1, "cp": 1},
      "schedule": "zbv", "microbatches": 8,
      "stage_sizes": [1, 1, 1, 1, 1, 1, 1, 3],
-     "training": {"zero": 0, "recompute": "none", "fp8": false},
+     "training": {"zero": 0, "recompute": "none", "fp8": false, "sequence_parallel": true},
      "predicted": {"step_time": 0.0123, "tokens_per_second": 41000.0, "hardware": "H100"}}
 
 ``stage_sizes`` lists the model's blocks (the embedding, every layer, the head, in order) per
@@ -16,6 +16,8 @@ pipeline stage, so the trainer cuts exactly the partition the planner priced. ``
 registry name with its parameters (``interleaved:chunks=2``) or a whole schedule as
 ``cutpipe schedule -o`` writes it (``cutpipe.schedule.fileformat``), for orders no generator
 makes. ``predicted`` is what the planner expected, for the record; nothing reads it back.
+``cp`` (context-parallel ranks per sequence) and ``sequence_parallel`` (with TP) were added
+after the first files were written: a file without them means 1 and true.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class PlanFile:
     zero: int = 0
     recompute: str = "none"
     fp8: bool = False
+    cp: int = 1
+    sequence_parallel: bool = True
     predicted: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -62,7 +66,7 @@ class PlanFile:
         problems = []
         if not isinstance(self.model, str) or not self.model:
             problems.append(f"model must be a name, got {self.model!r}")
-        for name in ("layers", "microbatches", "pp", "dp", "ep", "tp"):
+        for name in ("layers", "microbatches", "pp", "dp", "ep", "tp", "cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name} must be a whole number >= 1, got {value!r}")
@@ -88,6 +92,10 @@ class PlanFile:
             )
         if not isinstance(self.fp8, bool):
             problems.append(f"fp8 must be true or false, got {self.fp8!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            problems.append(
+                f"sequence_parallel must be true or false, got {self.sequence_parallel!r}"
+            )
         if not isinstance(self.schedule, (str, Schedule)) or self.schedule == "":
             problems.append(
                 f"schedule must be a registry name or a Schedule, got {self.schedule!r}"
@@ -134,11 +142,16 @@ class PlanFile:
             "version": VERSION,
             "model": self.model,
             "layers": self.layers,
-            "layout": {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp},
+            "layout": {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp, "cp": self.cp},
             "schedule": schedule,
             "microbatches": self.microbatches,
             "stage_sizes": list(self.stage_sizes),
-            "training": {"zero": self.zero, "recompute": self.recompute, "fp8": self.fp8},
+            "training": {
+                "zero": self.zero,
+                "recompute": self.recompute,
+                "fp8": self.fp8,
+                "sequence_parallel": self.sequence_parallel,
+            },
             "predicted": dict(self.predicted),
         }
 
@@ -170,6 +183,12 @@ class PlanFile:
         fp8 = training.get("fp8", False)
         if not isinstance(fp8, bool):
             raise ValueError(f"{source}: training.fp8 must be true or false, got {fp8!r}")
+        sequence_parallel = training.get("sequence_parallel", True)
+        if not isinstance(sequence_parallel, bool):
+            raise ValueError(
+                f"{source}: training.sequence_parallel must be true or false, got "
+                f"{sequence_parallel!r}"
+            )
         predicted = mapping(data.get("predicted", {}), f"{source}: predicted")
         return cls(
             model=data["model"],
@@ -184,9 +203,11 @@ class PlanFile:
             dp=whole(layout.get("dp", 1), f"{source}: layout.dp", 1),
             ep=whole(layout.get("ep", 1), f"{source}: layout.ep", 1),
             tp=whole(layout.get("tp", 1), f"{source}: layout.tp", 1),
+            cp=whole(layout.get("cp", 1), f"{source}: layout.cp", 1),
             zero=whole(training.get("zero", 0), f"{source}: training.zero"),
             recompute=recompute if isinstance(recompute, str) else repr(recompute),
             fp8=fp8,
+            sequence_parallel=sequence_parallel,
             predicted={k: _plain(v, f"{source}: predicted.{k}") for k, v in predicted.items()},
         )
 

@@ -61,6 +61,11 @@ def with_plan(options: TrainOptions) -> TrainOptions:
             f"--plan {options.plan} uses TP={plan.tp}; cutpipe train runs pipeline, data and "
             "expert parallelism: plan without TP (recommend --tp 1), or run the layout yourself"
         )
+    if plan.cp != 1:
+        raise ValueError(
+            f"--plan {options.plan} uses CP={plan.cp} (context parallelism), which cutpipe train "
+            "does not run: plan without it (recommend without --cp), or run the layout yourself"
+        )
     if plan.fp8:
         raise ValueError(f"--plan {options.plan} trains in FP8, which cutpipe train does not")
     wanted = {

@@ -20,7 +20,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -480,6 +480,8 @@ class Trainer:
         with self.autocast(), self.meter, parts.timed(PIPELINE):
             loss = accumulate(self.runner, batches())
         parts.add(PIPELINE, -sum(parts.ms.get(p, 0.0) for p in ("data", "fsdp_unshard")))
+        with parts.timed("routing"):
+            finish_routing = self._start_routing()
         with parts.timed("loss"):
             loss = float(self.mesh.average(loss))
         with parts.timed("timeline"):
@@ -497,7 +499,7 @@ class Trainer:
             self.scheduler.step()
         self.step += 1
         with parts.timed("routing"):
-            routing = self._routing()
+            routing = finish_routing()
         seconds = time.perf_counter() - start
         return self._record(
             seconds, loss=loss, lr=lr, grad_norm=float(norm),
@@ -508,21 +510,23 @@ class Trainer:
 
     def _routing(self) -> dict[str, Any]:
         """After an optimizer step of an MoE model: move the balancing bias (if asked), and what
-        the step's routing did, every MoE layer of the model (each rank holds some: summed over
-        the whole run in one all-reduce, DualPipe's two copies of a layer added up)."""
+        the step's routing did (``_start_routing``, read at once)."""
+        return self._start_routing()()
+
+    def _start_routing(self) -> Callable[[], dict[str, Any]]:
+        """As a pipeline step ends, start summing what every MoE layer of the model routed
+        (each rank holds some: summed over the whole run in one all-reduce, DualPipe's two
+        copies of a layer added up); the returned function moves the balancing bias (if asked)
+        and reads the sum, so that the all-reduce's wait hides behind the optimizer step."""
         if not self.task.is_moe:
-            return {}
+            return dict
         from cutpipe.parallel.routing import (
-            model_routing_statistics,
             moe_layers_of,
+            start_model_routing_statistics,
             update_routing_bias,
         )
 
         stages = self.parallel.stages
-        if self.options.routing_bias_rate > 0:
-            update_routing_bias(
-                stages, self.options.routing_bias_rate, reduce=self.mesh.sum_over_replicas
-            )
         if self._moe_names is None:  # once: the model's MoE layers, each rank naming its own
             every: list[Any] = [None] * self.layout.pipeline_ranks
             mine = sorted(moe_layers_of(stages))
@@ -531,15 +535,24 @@ class Trainer:
             else:
                 every = [mine]
             self._moe_names = sorted({name for names in every for name in names})
-        merged = model_routing_statistics(
+        read = start_model_routing_statistics(
             stages, self._moe_names, self.task.spec.experts, reset=True, device=self.device
-        ).layers
-        microbatches = sum(layer.microbatches for layer in merged.values())
-        return {
-            "balance_loss": sum(m.balance_loss for m in merged.values()) / max(microbatches, 1),
-            "expert_load": {name: layer.imbalance for name, layer in merged.items()},
-            "dropped": sum(layer.dropped for layer in merged.values()),
-        }
+        )
+
+        def finish() -> dict[str, Any]:
+            if self.options.routing_bias_rate > 0:
+                update_routing_bias(
+                    stages, self.options.routing_bias_rate, reduce=self.mesh.sum_over_replicas
+                )
+            merged = read().layers
+            microbatches = sum(layer.microbatches for layer in merged.values())
+            return {
+                "balance_loss": sum(m.balance_loss for m in merged.values()) / max(microbatches, 1),
+                "expert_load": {name: layer.imbalance for name, layer in merged.items()},
+                "dropped": sum(layer.dropped for layer in merged.values()),
+            }
+
+        return finish
 
     def _emulated_step(self) -> StepRecord:
         """One pipeline step of sleeps: its time and its measured bubble."""

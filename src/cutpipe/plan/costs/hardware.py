@@ -9,9 +9,11 @@ bandwidth of one direction of the node's fabric (NVLink, Infinity Fabric) and of
   ``p2p_overhead`` (launching and matching the send and the receive);
 - a matrix multiply reaches ``gemm_efficiency * x / (x + gemm_half_dim)`` of peak, ``x`` its
   smallest dimension: large multiplies saturate, thin ones (a small microbatch, a narrow head)
-  do not.
+  do not;
+- a ring collective inside a node (tensor parallelism's) reaches ``collective_bandwidth_share``
+  of the fabric, NCCL's measured bus bandwidth (not fitted).
 
-The last three figures are fitted to the zero-bubble paper's profiled A100 pass times (see
+The matmul and send figures are fitted to the zero-bubble paper's profiled A100 pass times (see
 docs/plan.md, "Calibration") and assumed for the other GPUs, whose libraries reach similar
 fractions of their own peaks. Every preset's other figures are the vendor's datasheet values;
 ``docs/plan.md`` lists them with their sources.
@@ -33,6 +35,10 @@ GEMM_HALF_DIM = 92.0
 #: reaches about a quarter of NVLink's bandwidth. Across nodes a send reaches the NIC's rate.
 P2P_OVERHEAD = 230e-6
 P2P_BANDWIDTH_SHARE = 0.243  # of the node fabric's bandwidth one pipeline send reaches
+#: Not fitted: NCCL's all-reduce on a DGX A100 is commonly measured at about 230 GB/s of bus
+#: bandwidth over NVLink's 300 GB/s per direction (nccl-tests), so the ring collectives inside
+#: a node (tensor parallelism's) move their bytes at that share of the fabric.
+COLLECTIVE_BANDWIDTH_SHARE = 0.767
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class Hardware:
     gemm_half_dim: float = GEMM_HALF_DIM
     p2p_overhead: float = P2P_OVERHEAD
     p2p_bandwidth_share: float = P2P_BANDWIDTH_SHARE
+    collective_bandwidth_share: float = COLLECTIVE_BANDWIDTH_SHARE
 
     def __post_init__(self) -> None:
         problems = []
@@ -68,11 +75,13 @@ class Hardware:
                 problems.append(f"{spec.name} must be a finite number >= 0, got {value}")
         if not problems:
             for name in ("bf16_flops", "memory_bandwidth", "memory", "intra_bandwidth",
-                         "inter_bandwidth", "gemm_efficiency", "p2p_bandwidth_share"):  # fmt: skip
+                         "inter_bandwidth", "gemm_efficiency", "p2p_bandwidth_share",
+                         "collective_bandwidth_share"):  # fmt: skip
                 if getattr(self, name) <= 0:
                     problems.append(f"{name} must be > 0")
-            if self.gemm_efficiency > 1 or self.p2p_bandwidth_share > 1:
-                problems.append("gemm_efficiency and p2p_bandwidth_share are fractions, <= 1")
+            shares = ("gemm_efficiency", "p2p_bandwidth_share", "collective_bandwidth_share")
+            if any(getattr(self, name) > 1 for name in shares):
+                problems.append(f"{', '.join(shares)} are fractions, <= 1")
             if self.gpus_per_node < 1 or self.gpus_per_node != int(self.gpus_per_node):
                 problems.append(
                     f"gpus_per_node must be a whole number >= 1, got {self.gpus_per_node}"
@@ -94,6 +103,14 @@ class Hardware:
         if within_node:
             return self.intra_bandwidth, self.intra_latency
         return self.inter_bandwidth, self.inter_latency
+
+    def collective_link(self, within_node: bool) -> tuple[float, float]:
+        """(bandwidth, latency) a ring collective reaches: inside a node, its share of the
+        fabric (``collective_bandwidth_share``); across nodes, the network's."""
+        bandwidth, latency = self.link(within_node)
+        if within_node:
+            bandwidth *= self.collective_bandwidth_share
+        return bandwidth, latency
 
     def p2p_time(self, size: float, within_node: bool) -> float:
         """Seconds for one pipeline send of ``size`` bytes."""
@@ -134,6 +151,7 @@ FILE_UNITS = {
     "gemm_half_dim": ("gemm_half_dim", 1),
     "p2p_overhead_us": ("p2p_overhead", 1e-6),
     "p2p_bandwidth_share": ("p2p_bandwidth_share", 1),
+    "collective_bandwidth_share": ("collective_bandwidth_share", 1),
 }
 REQUIRED = (
     "bf16_tflops",

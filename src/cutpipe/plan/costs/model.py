@@ -8,15 +8,20 @@ attention heads of size ``d = h/a``, ``kv`` key/value heads, FFN size ``f`` (per
 
 Multiply-accumulates of one layer's forward (each divided by ``t`` under tensor parallelism):
 
-- attention projections: ``MACw_att = T*h*(2h + 2*kv*d)`` (Q, O: h x h; K, V: h x kv*d)
-- attention scores: ``MACs = 2*T*s*h`` (QK^T and AV), halved by the causal mask where flash
-  attention skips the masked half
+- attention projections, each its own matmul: queries and output ``T*h*a*d`` each, keys and
+  values ``T*h*kv*d`` each (``attention_matmuls``; latent attention's low-rank projections
+  likewise, its down-projections whole on every TP rank)
+- attention scores: ``T*s*a*(d_qk + d_v)`` (QK^T and AV; ``2*T*s*h`` for plain heads), halved
+  by the causal mask where flash attention skips the masked half
 - MLP: ``MACw_mlp = g*T*h*f`` with ``g = 3`` for a gated (SwiGLU) MLP, 2 otherwise; in an MoE
   layer ``(k + sh)*g*T*h*f`` plus the router's ``T*h*E``
 
-Every matmul runs at ``Hardware.gemm_throughput(x)``, ``x`` its smallest dimension (tokens,
-``h/t``, ``f/t``, the head size for the scores; an expert sees ``T*k*ep/E`` tokens), at the FP8
-peak where the training uses FP8 and the GPU has it. Around the matmuls F and B each move the
+Every matmul runs at ``Hardware.gemm_throughput(x)``, ``x`` its own smallest dimension (tokens,
+``h``, ``a*d/t`` for queries and output, ``kv*d/t`` for keys and values only, ``f/t`` for the
+MLP, the head size for the scores; an expert sees ``T*k*ep/E`` tokens), at the FP8
+peak where the training uses FP8 and the GPU has it. Context parallelism (``cp`` ranks) gives
+each rank ``T/cp`` tokens of every sequence (``context_exchange`` for ring attention's traffic).
+Around the matmuls F and B each move the
 layer's activations through memory several times (norms, softmax, dropout, activation
 functions, residual adds): ``ELEMENTWISE_PER_KEPT_BYTE`` times the bytes the layer keeps for
 its backward (attention scores aside), at memory bandwidth. W is matmuls only. So:
@@ -75,11 +80,11 @@ from cutpipe.spec import ModelSpec
 __all__ = ["GPUS", "Hardware", "ItemCost", "Training", "gpu", "model_items"]
 
 #: Fitted to the zero-bubble paper's profiled F and B on A100 (docs/plan.md, "Calibration").
-ELEMENTWISE_PER_KEPT_BYTE = 10.0
+ELEMENTWISE_PER_KEPT_BYTE = 8.7
 #: Fitted to the same paper's measured throughput with ZB-2p (docs/plan.md, "Calibration"): the
 #: time a measured step spends per layer and pass beyond the profiled passes themselves
 #: (launches and synchronisation between passes), added to each of F, B and W.
-PASS_OVERHEAD = 0.3e-3
+PASS_OVERHEAD = 0.31e-3
 #: Adam with fp32 master weights reads the gradient, master weight and moments and writes them
 #: back with the bf16 weight: about 28 bytes per parameter through memory per step.
 OPTIMIZER_BYTES_PER_PARAMETER = 28
@@ -118,9 +123,15 @@ class Training:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
 
     @property
+    def sharding_ranks(self) -> int:
+        """The ranks holding the same dense weights, over which gradients are reduced and ZeRO
+        shards: the data-parallel ranks times the context-parallel ones."""
+        return self.dp * self.cp
+
+    @property
     def state_bytes_per_parameter(self) -> float:
         """Weights, gradients and Adam state per parameter, after ZeRO's sharding."""
-        return self.state_bytes_over(self.dp)
+        return self.state_bytes_over(self.sharding_ranks)
 
     def state_bytes_over(self, ranks: int) -> float:
         """Per parameter replicated on ``ranks`` data-parallel ranks (a routed expert is on
@@ -135,8 +146,8 @@ class Training:
         return weights + grads + optimizer
 
     def replicas(self, ep: int) -> int:
-        """The data-parallel ranks that hold the same routed experts."""
-        return max(1, self.dp // ep)
+        """The data- (and context-) parallel ranks that hold the same routed experts."""
+        return max(1, self.sharding_ranks // ep)
 
     def short(self) -> str:
         """A table cell: ``Z1 sel fp8`` (TP is part of the layout)."""
@@ -199,17 +210,90 @@ def _collective(size: float, ranks: int, bandwidth: float, latency: float) -> fl
 def attention_weights(model: ModelSpec) -> int:
     """The numbers in one layer's attention matrices (its multiply-adds per token): grouped
     heads, or DeepSeek's latent attention."""
-    h, a = model.hidden, model.heads
+    return int(sum(macs for macs, _ in attention_matmuls(model, 1, 1)))
+
+
+#: A matrix multiply: (multiply-adds, its smallest dimension) for the throughput curve.
+Matmul = tuple[float, float]
+
+
+def attention_matmuls(model: ModelSpec, tokens: float, tp: int) -> list[Matmul]:
+    """One layer's attention projections for ``tokens`` tokens on one of ``tp`` ranks, each
+    with its own shape: grouped key/value projections are narrow only where the key/value
+    heads are (a Llama-style layer at TP 8 multiplies its queries at ``h x h/8`` and its keys
+    at ``h x kv*d/8``). Latent attention's down-projections (to the query and key/value ranks)
+    are not split by tensor parallelism; its up-projections and the output are, by heads."""
+    h, a, T, t = model.hidden, model.heads, tokens, tp
     if model.latent_attention:
         query = a * (model.qk_nope_head_dim + model.qk_rope_head_dim)
-        rank = model.q_lora_rank
-        q = (h + query) * rank if rank else h * query
-        kv = h * (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank * a * (
-            model.qk_nope_head_dim + model.v_head_dim
-        )
-        return q + kv + a * model.v_head_dim * h
-    d, kv_heads = model.attention_head_dim, model.kv_heads or a
-    return 2 * h * a * d + 2 * h * kv_heads * d
+        rank, latent = model.q_lora_rank, model.kv_lora_rank
+        up_kv = a * (model.qk_nope_head_dim + model.v_head_dim)
+        out = a * model.v_head_dim
+        matmuls = [
+            (T * h * (latent + model.qk_rope_head_dim), min(T, h, latent + model.qk_rope_head_dim)),
+            (T * latent * up_kv / t, min(T, latent, up_kv / t)),
+            (T * out * h / t, min(T, out / t, h)),
+        ]
+        if rank:
+            matmuls += [
+                (T * h * rank, min(T, h, rank)),
+                (T * rank * query / t, min(T, rank, query / t)),
+            ]
+        else:
+            matmuls.append((T * h * query / t, min(T, h, query / t)))
+        return matmuls
+    d, kv = model.attention_head_dim, model.kv_heads or a
+    # fewer key/value heads than TP ranks: each rank keeps (a copy of) one
+    keys = max(kv / t, 1.0) * d
+    return [
+        (T * h * a * d / t, min(T, h, a * d / t)),  # queries
+        (2 * T * h * keys, min(T, h, keys)),  # keys and values
+        (T * a * d * h / t, min(T, a * d / t, h)),  # output
+    ]
+
+
+def attention_replicated(model: ModelSpec) -> int:
+    """Attention weights every TP rank holds whole: latent attention's down-projections."""
+    if not model.latent_attention:
+        return 0
+    h = model.hidden
+    return h * (model.kv_lora_rank + model.qk_rope_head_dim) + h * model.q_lora_rank
+
+
+def score_macs(model: ModelSpec, queries: float) -> tuple[float, float]:
+    """Multiply-adds of QK^T and AV for ``queries`` query tokens against the whole sequence
+    (halved by the causal mask where flash attention skips it), and the heads' narrowest
+    size: latent attention's scores use its query/key head size (nope + rope), AV its value
+    head size."""
+    if model.latent_attention:
+        qk, v = model.qk_nope_head_dim + model.qk_rope_head_dim, model.v_head_dim
+    else:
+        qk = v = model.attention_head_dim
+    causal = 0.5 if model.flash_attention else 1.0
+    return queries * model.seq_len * model.heads * (qk + v) * causal, min(qk, v, model.seq_len)
+
+
+def score_traffic(model: ModelSpec, queries: float) -> tuple[float, float]:
+    """Bytes the softmax and dropout move over the attention scores of ``queries`` query
+    tokens in F and in B, without flash attention (which keeps the scores on chip): Megatron-LM's
+    fused scale-mask-softmax and the dropout after it read the scores and write the dropped
+    probabilities and a one-byte mask (``2p + 1`` per score); the backward reads the gradient
+    and the mask and writes the scores' gradient (``2p + 1``). These bytes grow with the
+    sequence where the rest of a layer's traffic does not (docs/plan.md, "Calibration")."""
+    if model.flash_attention:
+        return 0.0, 0.0
+    moved = (2 * model.element_bytes + 1) * queries * model.heads * model.seq_len
+    return moved, moved
+
+
+def mlp_matmuls(tokens: float, hidden: int, ffn: int, gated: bool, tp: int) -> list[Matmul]:
+    """One MLP (or one expert's) on ``tokens`` tokens: the up (and gate) projection, split by
+    output columns over ``tp`` ranks, and the down projection, split by input rows."""
+    up = 2 if gated else 1
+    return [
+        (up * tokens * hidden * ffn / tp, min(tokens, hidden, ffn / tp)),
+        (tokens * ffn * hidden / tp, min(tokens, ffn / tp, hidden)),
+    ]
 
 
 def small_parameters(model: ModelSpec, moe: bool) -> int:
@@ -235,77 +319,111 @@ def small_parameters(model: ModelSpec, moe: bool) -> int:
     return count
 
 
+#: Of a layer's kept activation, the bytes per token and hidden unit (times ``p``) that every
+#: TP rank holds whole without sequence parallelism (Korthikanti et al. 2022, section 4.2.2:
+#: 10sbh of 34sbh at 2 bytes): the two norms' inputs, the inputs of the QKV and first MLP
+#: projections, the two dropout masks.
+REPLICATED_WITHOUT_SP = 5.0
+
+
 def layer_cost(
     model: ModelSpec, hardware: Hardware, index: int, ep: int = 1, ep_within_node: bool = True,
     training: Training = PLAIN,
 ) -> ItemCost:  # fmt: skip
     """One transformer layer (``index`` from 0) on one rank."""
-    T, s, h, a = model.tokens, model.seq_len, model.hidden, model.heads
-    t = training.tp
-    d = h // a
-    kv = model.kv_heads or a
+    t, cp = training.tp, training.cp
+    T = model.tokens / cp  # context parallelism: each rank holds 1/cp of every sequence
+    h = model.hidden
     g = 3 if model.gated_mlp else 2
     p = model.element_bytes
     fp8 = training.fp8
     moe = model.moe and index >= model.dense_layers
     ffn = model.ffn if moe or not model.dense_ffn else model.dense_ffn
     attention_params = attention_weights(model)
+    replicated_params = attention_replicated(model)
+    matmuls = attention_matmuls(model, T, t)
     if moe:
         active = model.top_k + model.shared_experts
         expert_tokens = T * model.top_k * ep / model.experts  # tokens one expert multiplies
-        expert_macs = model.top_k * g * T * h * ffn
-        shared_macs = model.shared_experts * g * T * h * ffn
-        router_macs = T * h * model.experts
+        experts = mlp_matmuls(T * model.top_k, h, ffn, model.gated_mlp, t)
+        expert_weights = sum(
+            _gemm(macs, min(smallest, expert_tokens), hardware, fp8) for macs, smallest in experts
+        )
+        for _ in range(model.shared_experts):
+            matmuls += mlp_matmuls(T, h, ffn, model.gated_mlp, t)
+        router = _gemm(T * h * model.experts, min(T, model.experts), hardware, False)
         routed = model.experts / ep * g * h * ffn
         mlp_params = routed + model.shared_experts * g * h * ffn + h * model.experts
     else:
         active = 1
-        expert_tokens, expert_macs, router_macs = 0.0, 0.0, 0.0
-        shared_macs = g * T * h * ffn
+        matmuls += mlp_matmuls(T, h, ffn, model.gated_mlp, t)
+        expert_weights = router = 0.0
         mlp_params = g * h * ffn
         routed = 0.0
-    narrow = min(h / t, ffn / t, kv * d / t if kv < a else h / t)
     weights = (
-        _gemm(T * attention_params / t, min(T, narrow), hardware, fp8)
-        + _gemm(shared_macs / t, min(T, narrow), hardware, fp8)
-        + _gemm(expert_macs / t, min(expert_tokens, h, ffn / t), hardware, fp8)
-        + _gemm(router_macs, min(T, model.experts), hardware, False)
+        sum(_gemm(macs, smallest, hardware, fp8) for macs, smallest in matmuls)
+        + expert_weights
+        + router
     )
-    causal = 0.5 if model.flash_attention else 1.0
-    scores = _gemm(2 * T * s * h * causal / t, min(d, s), hardware, False)
-    score_bytes = 0.0 if model.flash_attention else 2.5 * p * a * s * T / t
+    macs, narrowest = score_macs(model, T)
+    scores = _gemm(macs / t, narrowest, hardware, False)
+    score_bytes = 0.0 if model.flash_attention else 2.5 * p * model.heads * model.seq_len * T / t
     norms = 2 * p * T * h / t
-    kept = 7.5 * p * T * h / t + active * (p * T * h + 2 * (g - 1) * p * T * ffn) / t
+    kept = 7.5 * p * T * h + active * (p * T * h + 2 * (g - 1) * p * T * ffn)
+    if t > 1 and not training.sequence_parallel:  # norms, dropout, residual whole on each rank
+        whole = REPLICATED_WITHOUT_SP * p * T * h
+        kept = (kept - whole) / t + whole
+        norms *= t
+    else:
+        kept /= t
     elementwise = ELEMENTWISE_PER_KEPT_BYTE * kept / hardware.memory_bandwidth
-    forward = weights + scores + elementwise
-    backward = weights + 2 * scores + elementwise
+    softmax_forward, softmax_backward = (
+        moved / hardware.memory_bandwidth for moved in score_traffic(model, T / t)
+    )
+    forward = weights + scores + elementwise + softmax_forward
+    backward = weights + 2 * scores + elementwise + softmax_backward
     activation = kept + score_bytes
     if fp8 and hardware.fp8_flops:
         activation -= 0.5 * w_memory(model) * kept  # matmul inputs cached in FP8
     if training.recompute == "selective":
         activation -= norms + score_bytes
         backward += ELEMENTWISE_PER_KEPT_BYTE * norms / hardware.memory_bandwidth + (
-            0.0 if model.flash_attention else scores
+            0.0 if model.flash_attention else scores + softmax_forward
         )
-    elif training.recompute == "full":
-        activation = p * T * h / t
+    elif training.recompute == "full":  # the layer's input, split over TP with SP
+        activation = p * T * h / (t if training.sequence_parallel else 1)
         backward += forward
-    params = (attention_params + mlp_params) / t + 2 * h + small_parameters(model, moe)
+    params = (
+        (attention_params - replicated_params + mlp_params) / t
+        + replicated_params
+        + 2 * h
+        + small_parameters(model, moe)
+    )
     ep_forward = ep_backward = ep_bytes = 0.0
     if moe and ep > 1:
         ep_bytes = model.top_k * T * h * p * (ep - 1) / ep  # one direction: dispatch or combine
         bandwidth, latency = hardware.link(ep_within_node)
         ep_forward = ep_backward = 2 * (ep_bytes / bandwidth + latency)
-    if t > 1:  # sequence parallel: all-gather before and reduce-scatter after attention and MLP
-        tp_time = 4 * _collective(T * h * p, t, *hardware.link(True))
+    if t > 1:
+        # sequence parallel: all-gather before and reduce-scatter after attention and the MLP;
+        # without it an all-reduce after each (a reduce-scatter and an all-gather's traffic):
+        # the same bytes either way (Korthikanti et al. 2022, section 4.2.2)
+        tp_time = 4 * _collective(T * h * p, t, *hardware.collective_link(True))
         forward += tp_time
         backward += tp_time
-    if training.zero == 3 and training.dp > 1:  # every F and B gathers the layer's weights
+    if cp > 1:
+        exchange = context_exchange(model, hardware, training, T)
+        # ring attention sends the next block while it multiplies this one
+        forward += max(0.0, exchange - scores)
+        backward += max(0.0, 2 * exchange - 2 * scores)  # keys, values and their gradients
+    if (
+        training.zero == 3 and training.sharding_ranks > 1
+    ):  # every F and B gathers the layer's weights
         network = hardware.link(False)
         experts = routed / t
-        gather = _collective((params - experts) * p, training.dp, *network) + _collective(
-            experts * p, training.replicas(ep), *network
-        )
+        gather = _collective(
+            (params - experts) * p, training.sharding_ranks, *network
+        ) + _collective(experts * p, training.replicas(ep), *network)
         forward += gather
         backward += gather
     weight = weights
@@ -325,24 +443,41 @@ def layer_cost(
     )
 
 
+def context_exchange(
+    model: ModelSpec, hardware: Hardware, training: Training, tokens: float
+) -> float:
+    """Seconds ring attention spends passing key/value blocks in one forward: ``cp - 1`` sends
+    of this rank's ``tokens`` keys and values (its TP share), over the node's fabric while the
+    TP x CP group fits in a node, else the network."""
+    t, cp = training.tp, training.cp
+    if model.latent_attention:
+        width = model.heads * (model.qk_nope_head_dim + model.qk_rope_head_dim + model.v_head_dim)
+    else:
+        width = 2 * max((model.kv_heads or model.heads) / t, 1.0) * model.attention_head_dim * t
+    bandwidth, latency = hardware.link(t * cp <= hardware.gpus_per_node)
+    block = tokens * width / t * model.element_bytes
+    return (cp - 1) * (block / bandwidth + latency)
+
+
 def embedding_cost(model: ModelSpec, hardware: Hardware, training: Training = PLAIN) -> ItemCost:
-    moved = model.tokens * model.hidden * model.element_bytes / hardware.memory_bandwidth
+    tokens = model.tokens / training.cp
+    moved = tokens * model.hidden * model.element_bytes / hardware.memory_bandwidth
     return ItemCost("embedding", forward=moved, backward=0.0, weight=moved, activation=0.0,
                     parameters=model.vocab * model.hidden / training.tp,
                     bytes_per_parameter=training.state_bytes_per_parameter)  # fmt: skip
 
 
 def head_cost(model: ModelSpec, hardware: Hardware, training: Training = PLAIN) -> ItemCost:
-    t = training.tp
-    macs = model.tokens * model.hidden * model.vocab / t
+    t, tokens = training.tp, model.tokens / training.cp
+    macs = tokens * model.hidden * model.vocab / t
     params = model.vocab * model.hidden / t + model.hidden
     time = _floor(
-        _gemm(macs, min(model.tokens, model.hidden, model.vocab / t), hardware, False),
+        _gemm(macs, min(tokens, model.hidden, model.vocab / t), hardware, False),
         params, model, hardware,
     )  # fmt: skip
-    logits = model.tokens * model.vocab / t * 4  # fp32 logits kept for the loss
+    logits = tokens * model.vocab / t * 4  # fp32 logits kept for the loss
     return ItemCost("head", forward=time, backward=time, weight=time,
-                    activation=model.tokens * model.hidden * model.element_bytes + logits,
+                    activation=tokens * model.hidden * model.element_bytes + logits,
                     parameters=params, bytes_per_parameter=training.state_bytes_per_parameter)  # fmt: skip
 
 
@@ -381,8 +516,10 @@ def w_memory(model: ModelSpec) -> float:
 
 def boundary_bytes(model: ModelSpec, training: Training = PLAIN) -> float:
     """Bytes of the activation (or its gradient) crossing one stage boundary per microbatch
-    (sequence parallelism splits it over the tensor-parallel ranks)."""
-    return model.tokens * model.hidden * model.element_bytes / training.tp
+    (split over the tensor-parallel ranks, and over the context-parallel ones that each hold
+    part of the sequence). Without sequence parallelism Megatron-LM still sends a TP rank's
+    share and all-gathers it over the node's fabric on arrival (Narayanan et al. 2021, 4.1)."""
+    return model.tokens * model.hidden * model.element_bytes / (training.tp * training.cp)
 
 
 def p2p_time(
@@ -394,10 +531,9 @@ def p2p_time(
 def training_flops_per_token(model: ModelSpec) -> float:
     """FLOPs of F, B and W for one token through the whole model (three times the forward's
     matmuls, routed experts counted for the ``k`` a token uses): the numerator of MFU."""
-    h, s = model.hidden, model.seq_len
+    h = model.hidden
     g = 3 if model.gated_mlp else 2
-    causal = 0.5 if model.flash_attention else 1.0
-    attention = attention_weights(model) + 2 * s * h * causal
+    attention = attention_weights(model) + score_macs(model, 1)[0]
     dense_ffn = model.dense_ffn or model.ffn
     if model.moe:
         moe_layers = model.layers - model.dense_layers
@@ -416,7 +552,9 @@ def optimizer_time(
     """Seconds for one Adam step over a rank's ``parameters`` (of which ``experts`` are routed
     experts, replicated on DP/EP ranks); ZeRO-1 and up step only the rank's shard."""
     if training.zero >= 1:
-        parameters = (parameters - experts) / training.dp + experts / training.replicas(ep)
+        parameters = (parameters - experts) / training.sharding_ranks + experts / training.replicas(
+            ep
+        )
     return parameters * OPTIMIZER_BYTES_PER_PARAMETER / hardware.memory_bandwidth
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any
 
+from cutpipe.plan.costs.hardware import Hardware
 from cutpipe.plan.costs.model import (
     PLAIN,
     ItemCost,
@@ -26,6 +27,13 @@ from cutpipe.plan.partition import (
     rank_memory,
     stage_costs,
     stage_state_bytes,
+)
+from cutpipe.plan.recommend.breakdown import (
+    Rank,
+    busiest_of,
+    receives,
+    step_breakdown,
+    utilisation,
 )
 from cutpipe.plan.recommend.explain import over_memory, too_few_items
 from cutpipe.plan.recommend.footprint import buffer_bytes, footprint
@@ -88,7 +96,7 @@ def check_layout(job: Job, layout: Layout, training: Training) -> None:
 
 def evaluate(
     job: Job, layout: Layout, training: Training = PLAIN, rebalance: bool = True,
-    cache: dict | None = None, *, screened: bool = True,
+    cache: dict | None = None, split_idle: bool = True, *, screened: bool = True,
 ) -> Plan | Rejected:  # fmt: skip
     """Simulate one candidate; a ``Rejected`` with the reason where it cannot run or fit.
 
@@ -97,8 +105,11 @@ def evaluate(
     memory-aware one; ``cache`` keeps items, schedules, compute-balanced splits, activation
     peaks and simulations between calls (settings and layouts that differ only in what the
     simulator does not read, such as ZeRO or DP at one pipeline shape, share them).
-    ``screened``: the balancer weighs its moves in batches (``rank_balanced_sizes``); False
-    scores each alone, the reference it matches."""
+    ``split_idle``: simulate the step once more without transfer time, to split the
+    busiest rank's idle time into pipeline sends and bubble (``Plan.breakdown``); without it
+    the sends are estimated (``plan.recommend.breakdown``). ``screened``: the balancer weighs
+    its moves in batches (``rank_balanced_sizes``); False scores each alone, the reference it
+    matches."""
     check_layout(job, layout, training)
     model, hardware, capacity = job.model, job.hardware, job.capacity
     pp, dp, ep, m = layout.pp, layout.dp, layout.ep, layout.microbatches
@@ -196,12 +207,10 @@ def evaluate(
     if measure == "makespan":  # every rank waits for the slowest all-reduce and optimizer step
         critical = max(range(pp), key=tails.__getitem__)
         step = result.makespan + tails[critical]
-        bubble = result.bubble_ratio
     else:  # each rank steps after its own span, all-reduce and optimizer; the longest sets the pace
         ends = [span + tail for span, tail in zip(result.span_per_rank, tails, strict=True)]
         critical = max(range(pp), key=ends.__getitem__)
         step = ends[critical]
-        bubble = result.bubble_ratio_span
     allreduce = allreduces[critical]
     busiest = max(range(pp), key=lambda r: result.busy_per_rank[r])
     sends = result.p2p_sends / pp
@@ -216,15 +225,25 @@ def evaluate(
     )
     comm_time = sends * (comm - latency) + exposed_ep + allreduce
     tokens = model.tokens * m * dp
-    bubble = max(0.0, bubble)  # not -1e-15
     fullest = max(range(pp), key=memory.__getitem__)
     stored = schedule.placement.stages_of(fullest)
     routed = sum(experts[s] for s in stored)
     held = sum(dense[s] for s in stored) + routed
     state = sum(stage_state_bytes(items, sizes)[s] for s in stored)
     where = footprint(held, memory[fullest] - state - buffers, training, buffers, routed, ep)
-    return Plan(pp, dp, ep, layout.schedule, m, step, tokens / step, bubble, max(memory),
-                min(1.0, comm_time / step), sizes, measure, training, where)  # fmt: skip
+    rank = busiest_rank(result, schedule.placement, m, measure, allreduces, tails)
+    if split_idle and comm:
+        quiet = replace(costs, comm=0.0)
+        runs = [simulated(count, quiet) for count in (short_m, long_m) if count is not None]
+        rank = replace(rank, quiet=_pipeline_time(runs, m, measure, rank.index))
+    parts = step_breakdown(
+        lambda t, variant: _items_on(job, ep, t, variant, cache), training, hardware, sizes,
+        schedule.placement, m, rank, comm, step,
+    )  # fmt: skip
+    flops = utilisation(model, hardware, training, tokens / step, job.devices)
+    return Plan(pp, dp, ep, layout.schedule, m, step, tokens / step, rank_bubble(rank),
+                max(memory), min(1.0, comm_time / step), sizes, measure, training, where,
+                *flops, parts, rank.index)  # fmt: skip
 
 
 def costs_key(costs: Costs) -> tuple:
@@ -312,3 +331,43 @@ def ring_allreduce(size: float, ranks: int, bandwidth: float, latency: float) ->
     if ranks <= 1 or size == 0:
         return 0.0
     return 2 * (ranks - 1) / ranks * size / bandwidth + 2 * (ranks - 1) * latency
+
+
+def _items_on(
+    job: Job, ep: int, training: Training, hardware: Hardware | None, cache: dict | None
+) -> list[ItemCost]:
+    """``job_items`` on a variant of the job's hardware (None: its own), kept in ``cache``."""
+    if hardware is None:
+        return _memo(cache, ("items", ep, training), lambda: job_items(job, ep, training))
+    on = replace(job, hardware=hardware)
+    return _memo(cache, ("items", ep, training, hardware), lambda: job_items(on, ep, training))
+
+
+def busiest_rank(
+    result: Metrics, placement: Placement, microbatches: int, measure: str,
+    reductions: list[float], tails: list[float],
+) -> Rank:  # fmt: skip
+    """The rank with the most busy time, as ``step_breakdown`` and the bubble see it."""
+    index = busiest_of(result)
+    return Rank(
+        index,
+        busy=result.busy_per_rank[index],
+        pipeline=result.makespan if measure == "makespan" else result.span_per_rank[index],
+        receives=receives(placement, index, microbatches),
+        reduction=reductions[index],
+        optimizer=tails[index] - reductions[index],
+    )
+
+
+def _pipeline_time(runs: list[Metrics], microbatches: int, measure: str, rank: int) -> float:
+    """The makespan (or ``rank``'s span) of the step from its simulated ``runs``: the short
+    step's, or extrapolated from it and the one a period longer."""
+    result = runs[0]
+    if len(runs) > 1:
+        result = extrapolate(result, runs[1], microbatches)
+    return result.makespan if measure == "makespan" else result.span_per_rank[rank]
+
+
+def rank_bubble(rank: Rank) -> float:
+    """The idle share of the rank's pipeline time: ``1 - busy / makespan`` (or ``/ span``)."""
+    return max(0.0, 1 - rank.busy / rank.pipeline) if rank.pipeline else 0.0

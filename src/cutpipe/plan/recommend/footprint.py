@@ -50,7 +50,7 @@ def footprint(
     def sharded(per_parameter: float, stage: int) -> float:
         if training.zero < stage:
             return per_parameter * parameters
-        return per_parameter * (dense / training.dp + experts / training.replicas(ep))
+        return per_parameter * (dense / training.sharding_ranks + experts / training.replicas(ep))
 
     return Footprint(
         parameters=sharded(2, 3),

@@ -102,7 +102,7 @@ class Layout:
         why, and the last training setting tried."""
         return Rejected(
             self.pp, self.dp, self.ep, self.schedule, self.microbatches, reason, self.tp, excess,
-            training,
+            training, self.cp,
         )  # fmt: skip
 
 

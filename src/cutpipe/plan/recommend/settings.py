@@ -3,6 +3,8 @@
 For each layout and schedule: TP inside a node (dividing the heads), recompute none, selective,
 full (least work first), and ZeRO over the data-parallel ranks (ZeRO-1 only under a pipeline,
 whose accumulated gradients ZeRO-2/3 would shard; all three without one), in bf16 or FP8.
+Sequence parallelism (with TP) and the context-parallel size are fixed by the caller, not
+searched.
 Within one recompute level the first ZeRO stage that fits is kept (a higher one is never faster);
 a level that fits with ZeRO-1 or less ends the search (more recompute is never faster).
 """
@@ -33,11 +35,14 @@ class Search:
     fp8: bool
     tp: int | None
     measured: bool  # a profile fixes compute and activations: no recompute or TP to model
+    sequence_parallel: bool = True  # with TP: norms and dropout split along the sequence
+    cp: int = 1  # context-parallel ranks per sequence (``Force`` checks the value)
 
     @classmethod
     def checked(
         cls, zero: int | None, recompute: str | None, precision: str, tp: int | None,
-        hardware: Hardware, model: ModelSpec, profile: Profile | None,
+        hardware: Hardware, model: ModelSpec, profile: Profile | None, *,
+        sequence_parallel: bool = True, cp: int = 1,
     ) -> Search:  # fmt: skip
         if zero is not None and zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
@@ -56,16 +61,22 @@ class Search:
                     f"tp must divide the {model.heads} heads and stay inside a node of "
                     f"{hardware.gpus_per_node} GPUs, got {tp}"
                 )
+        if not isinstance(sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+        check_count(cp, "cp")
         measured = profile is not None
-        if measured and (precision == "fp8" or (tp or 1) > 1 or recompute not in (None, "none")):
+        if measured and (
+            precision == "fp8" or (tp or 1) > 1 or cp > 1 or recompute not in (None, "none")
+        ):
             raise ValueError(
-                "a profile measures compute and activations as they ran: recompute, FP8 and TP "
-                "are not modelled on top of it (profile the setting instead)"
+                "a profile measures compute and activations as they ran: recompute, FP8, TP "
+                "and CP are not modelled on top of it (profile the setting instead)"
             )
-        return cls(zero, recompute, precision == "fp8", tp, measured)
+        return cls(zero, recompute, precision == "fp8", tp, measured, sequence_parallel, cp)
 
     def shapes(self, devices: int, model: ModelSpec, hardware: Hardware) -> list[tuple[int, int]]:
-        """(PP, TP) pairs to try: TP inside a node, dividing the heads and key/value heads."""
+        """(PP, TP) pairs to try: TP inside a node, dividing the heads and key/value heads, and
+        leaving whole data-parallel groups of the devices beside TP and CP."""
         kv = model.kv_heads or model.heads
         if self.tp is not None:
             tps = [self.tp]
@@ -75,7 +86,12 @@ class Search:
             tps = [
                 t for t in divisors(hardware.gpus_per_node) if model.heads % t == 0 and kv % t == 0
             ]
-        return [(pp, tp) for tp in tps for pp in divisors(devices) if (devices // pp) % tp == 0]
+        return [
+            (pp, tp)
+            for tp in tps
+            for pp in divisors(devices)
+            if (devices // pp) % (tp * self.cp) == 0
+        ]
 
     def settings(self, dp: int, tp: int, pp: int = 1) -> list[list[Training]]:
         """Groups by recompute level (least first), each by ZeRO stage (least first). Under a
@@ -88,7 +104,13 @@ class Search:
             levels = ["none"] if self.measured else list(RECOMPUTE_MODES)
         unsharded = [0] if dp == 1 else [1] if pp > 1 else [1, 2, 3]  # nothing over one rank
         zeros = [self.zero] if self.zero is not None else unsharded
-        return [[Training(z, dp, r, self.fp8, tp) for z in zeros] for r in levels]
+        return [[self.training(z, dp, r, tp) for z in zeros] for r in levels]
+
+    def training(self, zero: int, dp: int, recompute: str, tp: int) -> Training:
+        """The setting with this search's precision, sequence parallelism and CP."""
+        return Training(
+            zero, dp, recompute, self.fp8, tp, sequence_parallel=self.sequence_parallel, cp=self.cp
+        )
 
 
 def best_setting(
