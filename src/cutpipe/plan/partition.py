@@ -15,17 +15,22 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise, permutations
 
+import numpy as np
+
 from cutpipe.plan.costs.model import ItemCost
 from cutpipe.plan.progress import progress
+from cutpipe.plan.screen import Screen
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
-from cutpipe.sim.memory import live_profile, peak_activations, peak_from_profile
+from cutpipe.sim.memory import LiveProfile, live_profile, peak_activations, peak_from_profile
 from cutpipe.sim.metrics import metrics
 from cutpipe.sim.simulate import simulate
 
 #: The most ops of a schedule ``balance`` searches over (it simulates the step once per
 #: candidate move, hundreds of times): about half a minute of search at the limit.
 MAX_BALANCED_OPS = 25_000
+#: Moves ``screened_descent`` weighs at once after an improvement (doubling while none helps).
+FIRST_BATCH = 64
 
 
 def groups(items: Sequence[ItemCost], sizes: Sequence[int]) -> list[list[ItemCost]]:
@@ -121,7 +126,8 @@ def compute_balanced_sizes(items: Sequence[ItemCost], stages: int) -> list[int]:
 
 def rank_balanced_sizes(
     items: Sequence[ItemCost], schedule: Schedule, capacity: float | None = None,
-    comm: float = 0.0, w_memory: float = 0.5,
+    comm: float = 0.0, w_memory: float = 0.5, screened: bool = True,
+    live: LiveProfile | None = None,
 ) -> list[int]:  # fmt: skip
     """``compute_balanced_sizes``, then items moved between stages while the busiest rank's
     work shrinks: on a V a rank runs stages r and 2R-1-r, so equal stages are not equal ranks.
@@ -130,7 +136,10 @@ def rank_balanced_sizes(
     one long chunk holds up every rank behind it however even the rank totals are.
     With ``capacity`` (bytes), first of all while the fullest rank's memory shrinks towards it.
     Arithmetic and op-order memory only, no timing, so ``recommend`` can afford it for every
-    candidate (give it a short ``schedule``: the memory peak does not grow with the step)."""
+    candidate (give it a short ``schedule``: the memory peak does not grow with the step).
+    ``screened``: weigh the moves in batches with numpy and score exactly only those that may
+    improve (``cutpipe.plan.screen``; the same steps and split as scoring every move).
+    ``live``: the schedule's ``live_profile(schedule, w_memory)``, when known."""
     placement = schedule.placement
     stages = placement.num_stages
     work = [item.forward + item.backward + item.weight for item in items]
@@ -140,7 +149,7 @@ def rank_balanced_sizes(
     prefix = [0.0, *accumulate(work)]
     runs = [(stage, rank) for pipe in placement.pipes for stage, rank in enumerate(pipe)]
     if capacity is not None:
-        live = live_profile(schedule, w_memory)
+        live = live if live is not None else live_profile(schedule, w_memory)
         held = [0.0, *accumulate(item.activation for item in items)]
         stored = [0.0, *accumulate(item.state_bytes for item in items)]
 
@@ -171,11 +180,17 @@ def rank_balanced_sizes(
         )
         return over, stage_order, max(ranks), sum(x * x for x in ranks)
 
+    screen = None
+    if screened:
+        memory = (live, held, stored) if capacity is not None else None
+        screen = Screen(runs, placement.num_ranks, prefix, scale, by_chunk, memory, capacity)
     sizes = compute_balanced_sizes(items, stages)
     if capacity is not None:  # first under the cap, moving only the fullest rank's items
-        sizes = relieve(sizes, memory_of, capacity, [stages for stages, _ in live])
+        sizes = relieve(sizes, memory_of, capacity, [stages for stages, _ in live], screen)
         if max(memory_of(sizes)) > capacity:
             return sizes  # no split fits: the caller says by how much
+    if screen is not None:
+        return screened_descent(sizes, score, screen)
     best = score(sizes)
     improved = True
     while improved:  # first improvement, scanning on from it (cheaper than steepest descent)
@@ -191,27 +206,67 @@ def rank_balanced_sizes(
     return sizes
 
 
+def moved(sizes: Sequence[int], giver: int, taker: int) -> list[int]:
+    trial = list(sizes)
+    trial[giver] -= 1
+    trial[taker] += 1
+    return trial
+
+
+def screened_descent(
+    sizes: list[int], score: Callable[[list[int]], tuple], screen: Screen
+) -> list[int]:
+    """``rank_balanced_sizes``'s first-improvement passes, the moves weighed in batches by
+    ``screen`` and scored exactly only where they may improve: the same moves in the same order,
+    so the same split. A batch grows while it finds nothing (the last pass finds nothing)."""
+    order = np.array(list(permutations(range(len(sizes)), 2)), dtype=np.intp)
+    best = score(sizes)
+    position, batch, improved = 0, FIRST_BATCH, False
+    while True:
+        if position >= len(order):
+            if not improved:
+                return sizes
+            position, batch, improved = 0, FIRST_BATCH, False
+        moves = order[position : position + batch]
+        for index in screen.maybe_better(sizes, moves, best):
+            trial = moved(sizes, *moves[index].tolist())
+            value = score(trial)
+            if value < best:
+                sizes, best, improved = trial, value, True
+                position += index + 1
+                batch = FIRST_BATCH
+                break
+        else:
+            position += len(moves)
+            batch *= 2
+
+
 def relieve(
     sizes: list[int], memory_of: Callable[[list[int]], list[float]], capacity: float,
-    held: Sequence[Sequence[int]],
+    held: Sequence[Sequence[int]], screen: Screen | None = None,
 ) -> list[int]:  # fmt: skip
     """Steepest descent on the fullest rank's memory, each move giving one of that rank's
-    stages' items to another stage, until it fits under ``capacity`` or no move helps."""
+    stages' items to another stage, until it fits under ``capacity`` or no move helps.
+    With ``screen``, only the moves whose memory numpy puts near the least are weighed exactly."""
     memory = memory_of(sizes)
     while max(memory) > capacity:
         fullest = max(range(len(memory)), key=memory.__getitem__)
         best, best_peak = None, max(memory)
-        for giver in held[fullest]:
-            if sizes[giver] < 2:
-                continue
-            for taker in range(len(sizes)):
-                if taker != giver:
-                    trial = list(sizes)
-                    trial[giver] -= 1
-                    trial[taker] += 1
-                    peak = max(memory_of(trial))
-                    if peak < best_peak:
-                        best, best_peak = trial, peak
+        moves = [
+            (giver, taker)
+            for giver in held[fullest]
+            if sizes[giver] >= 2
+            for taker in range(len(sizes))
+            if taker != giver
+        ]
+        if screen is not None and moves:
+            rows = screen.trials(sizes, np.array(moves, dtype=np.intp))
+            moves = [moves[i] for i in screen.least_peaks(rows)]
+        for giver, taker in moves:
+            trial = moved(sizes, giver, taker)
+            peak = max(memory_of(trial))
+            if peak < best_peak:
+                best, best_peak = trial, peak
         if best is None:
             break
         sizes, memory = best, memory_of(best)
@@ -228,9 +283,14 @@ def chunked(schedule: Schedule) -> bool:
     return placement.kind != "v" and held > 1
 
 
-def rank_memory(schedule: Schedule, costs: Costs, state_bytes: Sequence[float]) -> list[float]:
-    """Per rank: training state of the stages it stores (copies count) plus peak activations."""
-    activations = peak_activations(schedule, costs)
+def rank_memory(
+    schedule: Schedule, costs: Costs, state_bytes: Sequence[float],
+    activations: Sequence[float] | None = None,
+) -> list[float]:  # fmt: skip
+    """Per rank: training state of the stages it stores (copies count) plus peak activations
+    (``activations``, when known: ``peak_activations(schedule, costs)``)."""
+    if activations is None:
+        activations = peak_activations(schedule, costs)
     return [
         sum(state_bytes[s] for s in schedule.placement.stages_of(r)) + activations[r]
         for r in range(schedule.num_ranks)

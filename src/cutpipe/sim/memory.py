@@ -8,7 +8,7 @@ so its peak does not depend on timing, and the runtime's count can be checked ag
 
 from __future__ import annotations
 
-from itertools import accumulate
+import numpy as np
 
 from cutpipe.schedule.codes import F_CODE, KIND_BITS, KIND_MASK
 from cutpipe.schedule.schedule import Schedule
@@ -49,21 +49,34 @@ def activation_trace(schedule: Schedule, costs: Costs) -> list[list[tuple[float,
 def peak_activations(schedule: Schedule, costs: Costs) -> list[float]:
     """The most activation memory each rank holds at once (the max of ``activation_trace``).
 
-    ``code % 4S`` is ``4 * stage + kind`` for a single action, so a flat table of changes turns a
-    rank without overlapped pairs into one ``accumulate`` at C speed.
+    ``code % 4S`` is ``4 * stage + kind`` for a single action (and for each half of an
+    overlapped pair), so a flat table of changes turns a rank into one running sum at C speed:
+    the same additions in the same order as ``activation_trace``, so the same peaks.
     """
     S, change = schedule.num_stages, _changes(schedule, costs)
-    flat = [delta for per_stage in change for delta in per_stage]
-    period = 4 * S
+    flat = np.array([delta for per_stage in change for delta in per_stage])
+    period, span = 4 * S, schedule.codec.span
     peaks = []
     for ops in schedule.codes:
         if not ops:
             peaks.append(0.0)
-        elif min(ops) >= 0:
-            deltas = map(flat.__getitem__, map(period.__rmod__, ops))
-            peaks.append(max(0.0, max(accumulate(deltas))))
-        else:
-            peaks.append(max(high for high, _ in _trace(schedule, ops, change)))
+            continue
+        codes = np.asarray(ops, dtype=np.int64)
+        pairs = codes < 0
+        if not pairs.any():
+            peaks.append(max(0.0, float(np.cumsum(flat[codes % period]).max())))
+            continue
+        forward, backward = np.divmod(-1 - codes[pairs], span)
+        first = codes.copy()
+        first[pairs] = forward
+        at = np.arange(len(codes)) + np.cumsum(pairs) - pairs  # each op's first change
+        deltas = np.empty(len(codes) + int(pairs.sum()))
+        deltas[at] = flat[first % period]
+        deltas[at[pairs] + 1] = flat[backward % period]  # a pair frees after it allocates
+        live = np.cumsum(deltas)
+        # a single op's peak is the larger of before and after it; a pair's, after its F
+        before = np.concatenate(([0.0], live))[at[~pairs]]
+        peaks.append(float(max(live[at].max(), before.max(initial=-np.inf))))
     return peaks
 
 

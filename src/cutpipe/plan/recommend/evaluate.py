@@ -8,7 +8,7 @@ step time and memory measures), or it is a ``Rejected`` with the reason.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 from cutpipe.plan.costs.hardware import Hardware
@@ -42,8 +42,8 @@ from cutpipe.plan.recommend.plans import Plan, Rejected
 from cutpipe.plan.recommend.settings import Search
 from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.registry import schedule_info
-from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
+from cutpipe.sim.memory import live_profile, peak_activations
 from cutpipe.sim.metrics import Metrics, extrapolate, metrics
 from cutpipe.sim.simulate import simulate
 
@@ -51,6 +51,8 @@ NEAR_MISS = 1.25  # a compute-balanced split this far over the memory gets a mem
 #: ``evaluate`` simulates at most this many microbatches per rank and extrapolates beyond.
 SIMULATED_PER_RANK = 8
 SIMULATED_AT_LEAST = 16  # a V's warm-up settles later on few ranks
+#: ``throughput_bound``'s margin over float rounding in the steps it is compared with.
+BOUND_ROUNDING = 1e-9
 
 
 def job_items(job: Job, ep: int, training: Training = PLAIN) -> list[ItemCost]:
@@ -94,16 +96,20 @@ def check_layout(job: Job, layout: Layout, training: Training) -> None:
 
 def evaluate(
     job: Job, layout: Layout, training: Training = PLAIN, rebalance: bool = True,
-    cache: dict | None = None, split_idle: bool = True,
+    cache: dict | None = None, split_idle: bool = True, *, screened: bool = True,
 ) -> Plan | Rejected:  # fmt: skip
     """Simulate one candidate; a ``Rejected`` with the reason where it cannot run or fit.
 
     ``training``: the ZeRO stage (over the layout's DP), recompute, precision and TP (the
     layout's). ``rebalance``: whether a split within ``NEAR_MISS`` of the memory gets a
-    memory-aware one; ``cache`` keeps items, schedules and compute-balanced splits between
-    calls. ``split_idle``: simulate the step once more without transfer time, to split the
+    memory-aware one; ``cache`` keeps items, schedules, compute-balanced splits, activation
+    peaks and simulations between calls (settings and layouts that differ only in what the
+    simulator does not read, such as ZeRO or DP at one pipeline shape, share them).
+    ``split_idle``: simulate the step once more without transfer time, to split the
     busiest rank's idle time into pipeline sends and bubble (``Plan.breakdown``); without it
-    the sends are estimated (``plan.recommend.breakdown``)."""
+    the sends are estimated (``plan.recommend.breakdown``). ``screened``: the balancer weighs
+    its moves in batches (``rank_balanced_sizes``); False scores each alone, the reference it
+    matches."""
     check_layout(job, layout, training)
     model, hardware, capacity = job.model, job.hardware, job.capacity
     pp, dp, ep, m = layout.pp, layout.dp, layout.ep, layout.microbatches
@@ -118,12 +124,9 @@ def evaluate(
     if stages > len(items):
         return rejected(too_few_items(stages, pp, len(items)))
     short_m, long_m = simulated_counts(info, pp, m)
-    # a short step peaks as high as the whole one
-    schedule = _memo(
-        cache, ("schedule", info.spec, pp, short_m), lambda: info.generate(pp, short_m)
-    )
     # the training state alone, however split: the average rank's share of every copy
-    floor = sum(item.state_bytes for item in items) * len(schedule.placement.pipes) / pp
+    placement = _memo(cache, ("placement", info.spec, pp), lambda: placement_of(info, pp))
+    floor = sum(item.state_bytes for item in items) * len(placement.pipes) / pp
     if floor + buffers > capacity:
         need = floor + buffers
         reason = (
@@ -131,32 +134,50 @@ def evaluate(
             f"{capacity / 1e9:.1f} GB usable ({(need - capacity) / 1e9:.1f} GB over)"
         )
         return rejected(reason, need - capacity)
+    # a short step peaks as high as the whole one
+    schedule = _memo(
+        cache, ("schedule", info.spec, pp, short_m), lambda: info.generate(pp, short_m)
+    )
     comm = p2p_time(model, hardware, job.within_node, training)
     kept = job.profile.w_memory if job.profile else w_memory(model)
 
     def weigh(sizes: list[int]) -> tuple[Costs, list[float]]:
         costs = stage_costs(items, sizes, comm, kept)
         state = stage_state_bytes(items, sizes)
-        return costs, [m + buffers for m in rank_memory(schedule, costs, state)]
+        peaks = _memo(
+            cache, ("peaks", info.spec, pp, short_m, tuple(costs.activation), kept),
+            lambda: peak_activations(schedule, costs),
+        )  # fmt: skip
+        return costs, [m + buffers for m in rank_memory(schedule, costs, state, peaks)]
+
+    def simulated(count: int, costs: Costs) -> Metrics:
+        """One step's metrics at ``count`` microbatches, once per schedule and costs."""
+        run = _memo(cache, ("schedule", info.spec, pp, count), lambda: info.generate(pp, count))
+        key = ("metrics", info.spec, pp, count, costs_key(costs))
+        return _memo(cache, key, lambda: metrics(simulate(run, costs), costs))
 
     work = tuple(item.forward + item.backward + item.weight for item in items)
     sizes = _memo(
-        cache, ("split", info.spec, pp, work), lambda: rank_balanced_sizes(items, schedule)
-    )
+        cache, ("split", info.spec, pp, work),
+        lambda: rank_balanced_sizes(items, schedule, screened=screened),
+    )  # fmt: skip
     costs, memory = weigh(sizes)
     if max(memory) > capacity:
         if not rebalance or max(memory) > NEAR_MISS * capacity:
             return rejected(over_memory(memory, capacity), max(memory) - capacity)
         # move layers off the fullest ranks
-        sizes = rank_balanced_sizes(items, schedule, capacity - buffers, comm, kept)
+        live = _memo(
+            cache, ("live", info.spec, pp, short_m, kept), lambda: live_profile(schedule, kept)
+        )
+        sizes = rank_balanced_sizes(
+            items, schedule, capacity - buffers, comm, kept, screened=screened, live=live
+        )
         costs, memory = weigh(sizes)
         if max(memory) > capacity:
             return rejected(over_memory(memory, capacity), max(memory) - capacity)
-    result = metrics(simulate(schedule, costs), costs)
+    result = simulated(short_m, costs)
     if long_m is not None:
-        long = _memo(cache, ("schedule", info.spec, pp, long_m), lambda: info.generate(pp, long_m))
-        longer = metrics(simulate(long, costs), costs)
-        result = extrapolate(result, longer, m)
+        result = extrapolate(result, simulated(long_m, costs), m)
     bandwidth, latency = hardware.link(within_node=job.within_node)
     parts = groups(items, sizes)
     experts = [sum(i.expert_parameters for i in part) for part in parts]
@@ -213,8 +234,8 @@ def evaluate(
     rank = busiest_rank(result, schedule.placement, m, measure, allreduces, tails)
     if split_idle and comm:
         quiet = replace(costs, comm=0.0)
-        runs = [schedule] + ([] if long_m is None else [long])
-        rank = replace(rank, quiet=_pipeline_time(runs, quiet, m, measure, rank.index))
+        runs = [simulated(count, quiet) for count in (short_m, long_m) if count is not None]
+        rank = replace(rank, quiet=_pipeline_time(runs, m, measure, rank.index))
     parts = step_breakdown(
         lambda t, variant: _items_on(job, ep, t, variant, cache), training, hardware, sizes,
         schedule.placement, m, rank, comm, step,
@@ -223,6 +244,14 @@ def evaluate(
     return Plan(pp, dp, ep, layout.schedule, m, step, tokens / step, rank_bubble(rank),
                 max(memory), min(1.0, comm_time / step), sizes, measure, training, where,
                 *flops, parts, rank.index)  # fmt: skip
+
+
+def costs_key(costs: Costs) -> tuple:
+    """Every field of ``costs``, hashable: two costs with one key simulate alike."""
+    return tuple(
+        tuple(value) if isinstance(value, list) else value
+        for value in (getattr(costs, field.name) for field in fields(costs))
+    )
 
 
 def simulated_counts(info, pp: int, microbatches: int) -> tuple[int, int | None]:
@@ -250,12 +279,51 @@ def _memo(cache: dict | None, key: tuple, make: Callable[[], Any]) -> Any:
 
 def throughput_bound(job: Job, layout: Layout, search: Search, cache: dict) -> float:
     """Tokens/s no setting of ``layout`` can beat: every rank busy all the time with its share
-    of the least work (no recompute, no ZeRO-3 gathers), nothing else in the step."""
+    of the setting's work; no bubble, no pipeline transfers, no exposed all-to-all; and, when
+    steps synchronise, the average rank's gradient all-reduce (its bandwidth term) and
+    optimizer step after it.
+
+    The busy times add up to the microbatches' F, B and W (an overlapped pair takes at least
+    its two halves), and the extrapolated makespan is at least every rank's busy time; the
+    sync step adds the largest all-reduce and optimizer step, which grow linearly with the
+    parameters a rank stores, so at least the average rank's. The overlap step is a rank's
+    span plus its own: extrapolated spans can fall a little below the busy times they
+    contain, and the all-reduce and optimizer step are the margin left for that."""
     pp, dp, ep, m = layout.pp, layout.dp, layout.ep, layout.microbatches
-    least = search.training(0, dp, "none", layout.tp)
-    items = _memo(cache, ("items", ep, least), lambda: job_items(job, ep, least))
-    step = m * sum(item.forward + item.backward + item.weight for item in items) / pp
-    return job.model.tokens * m * dp / step
+    info = schedule_info(layout.schedule)
+    placement = _memo(cache, ("placement", info.spec, pp), lambda: placement_of(info, pp))
+    copies = min(len(placement.copies(stage)) for stage in range(placement.num_stages))
+    bandwidth, _ = job.hardware.link(within_node=job.within_node)
+    grad = job.model.element_bytes
+    best = 0.0
+    for group in search.settings(dp, layout.tp, pp):
+        for training in group:
+            items = _memo(cache, ("items", ep, training), lambda t=training: job_items(job, ep, t))
+            work = sum(item.forward + item.backward + item.weight for item in items)
+            stored = copies * sum(item.parameters for item in items) / pp
+            routed = copies * sum(item.expert_parameters for item in items) / pp
+            share = 0.5 if training.zero == 3 else 1.0
+            allreduce = share * (
+                ring_bandwidth_term((stored - routed) * grad, dp, bandwidth)
+                + ring_bandwidth_term(routed * grad, dp // ep, bandwidth)
+            )
+            optimizer = optimizer_time(stored, job.hardware, training, routed, ep)
+            step = m * work / pp
+            if job.step_measure == "makespan":
+                step += allreduce + optimizer
+            best = max(best, job.model.tokens * m * dp / step)
+    return best * (1 + BOUND_ROUNDING)
+
+
+def placement_of(info, pp: int) -> Placement:
+    """Where the schedule puts its stages on ``pp`` ranks, from its shortest step: the
+    placement does not depend on the microbatches."""
+    return info.generate(pp, info.min_microbatches(pp)).placement
+
+
+def ring_bandwidth_term(size: float, ranks: int, bandwidth: float) -> float:
+    """``ring_allreduce`` without its latency: linear in ``size``, and never more than it."""
+    return 2 * (ranks - 1) / ranks * size / bandwidth if ranks > 1 else 0.0
 
 
 def ring_allreduce(size: float, ranks: int, bandwidth: float, latency: float) -> float:
@@ -291,14 +359,12 @@ def busiest_rank(
     )
 
 
-def _pipeline_time(
-    schedules: list[Schedule], costs: Costs, microbatches: int, measure: str, rank: int
-) -> float:
-    """The makespan (or ``rank``'s span) of the step under ``costs``: the short schedule's, or
-    extrapolated from it and the one a period longer."""
-    result = metrics(simulate(schedules[0], costs), costs)
-    if len(schedules) > 1:
-        result = extrapolate(result, metrics(simulate(schedules[1], costs), costs), microbatches)
+def _pipeline_time(runs: list[Metrics], microbatches: int, measure: str, rank: int) -> float:
+    """The makespan (or ``rank``'s span) of the step from its simulated ``runs``: the short
+    step's, or extrapolated from it and the one a period longer."""
+    result = runs[0]
+    if len(runs) > 1:
+        result = extrapolate(result, runs[1], microbatches)
     return result.makespan if measure == "makespan" else result.span_per_rank[rank]
 
 

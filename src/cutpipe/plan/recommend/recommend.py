@@ -47,7 +47,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import replace
 
-from cutpipe.plan.costs.model import Hardware
+from cutpipe.plan.costs.model import Hardware, Training
 from cutpipe.plan.costs.profile import Profile
 from cutpipe.plan.progress import progress
 from cutpipe.plan.recommend.evaluate import (
@@ -279,34 +279,40 @@ def with_microbatch_size(model: ModelSpec, size: int, profile: Profile | None) -
 
 def ranked_plans(
     job: Job, layouts: Sequence[Layout], search: Search, keep: int | None,
-    dropped: list[Rejected],
+    dropped: list[Rejected], *, reference: bool = False,
 ) -> list[Plan]:  # fmt: skip
     """The fitting plans of ``layouts``, fastest first, each under its best training setting
     (``best_setting``); the most promising layouts are simulated first, so that with ``keep``
     a layout whose throughput bound is below the ``keep`` best so far is dropped unsimulated.
     The ``keep`` fastest (all without ``keep``) are simulated once more for their breakdown
-    (``split_idle``). A ValueError, naming the closest refusal, if none fits."""
+    (``split_idle``). A ValueError, naming the closest refusal, if none fits. ``reference``:
+    nothing kept between candidates and every balancing move scored alone, the slow way whose
+    plans the fast one matches exactly (tests/test_recommend_speed.py)."""
     plans: list[Plan] = []
-    cache: dict = {}
-    bounds = {layout: throughput_bound(job, layout, search, cache) for layout in layouts}
+    cache: dict | None = None if reference else {}
+    known = cache if cache is not None else {}  # the items the bounds make, kept for evaluate
+    bounds = {layout: throughput_bound(job, layout, search, known) for layout in layouts}
     ordered = sorted(layouts, key=bounds.__getitem__, reverse=True)  # a higher bar sooner
     leaders: list[float] = []  # a min-heap of the ``keep`` best tokens/s so far
     with progress("simulating layouts", total=len(ordered)) as tick:
         for layout in ordered:
             if keep is not None and len(leaders) >= keep and bounds[layout] < leaders[0]:
                 why = (
-                    f"at most {bounds[layout]:,.0f} tokens/s even with no bubble and no "
-                    f"communication, below the {keep} best ({leaders[0]:,.0f} and up)"
+                    f"at most {bounds[layout]:,.0f} tokens/s even with no bubble, no pipeline "
+                    f"transfers and no exposed all-to-all, below the {keep} best "
+                    f"({leaders[0]:,.0f} and up)"
                 )
                 dropped.append(layout.refused(why))
                 tick(status=f"{len(plans)} fit")
                 continue
-            outcome = best_setting(
-                search.settings(layout.dp, layout.tp, layout.pp),
-                lambda training, rebalance, layout=layout: evaluate(
-                    job, layout, training, rebalance, cache, split_idle=False
-                ),
-            )
+
+            def attempt(
+                training: Training, rebalance: bool, layout: Layout = layout
+            ) -> Plan | Rejected:
+                return evaluate(job, layout, training, rebalance, cache, split_idle=False,
+                                screened=not reference)  # fmt: skip
+
+            outcome = best_setting(search.settings(layout.dp, layout.tp, layout.pp), attempt)
             if isinstance(outcome, Plan):
                 plans.append(outcome)
                 heapq.heappush(leaders, outcome.tokens_per_second)
