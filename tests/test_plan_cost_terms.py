@@ -132,3 +132,21 @@ def test_a_training_setting_refuses_a_bad_cp_or_sequence_parallel():
         Training(cp=0)
     with pytest.raises(ValueError, match="sequence_parallel must be True or False"):
         Training(sequence_parallel="yes")
+
+
+def test_gradients_are_reduced_over_the_data_and_context_parallel_ranks():
+    """CP ranks hold the same weights as DP ranks: a plan with DP=2 x CP=2 reduces its gradients
+    over four ranks, as DP=4 does, and its expert all-to-alls leave the node sooner."""
+    from cutpipe.plan.recommend.evaluate import evaluate, job_items
+    from cutpipe.plan.recommend.job import Job, Layout
+
+    model = replace(LLAMA, layers=8, seq_len=4096)
+    job = Job(model, H100, devices=16, global_batch=32)
+    four = evaluate(job, Layout(2, 4, 1, "1f1b", 8, tp=2), Training(dp=4, tp=2))
+    two_by_two = evaluate(job, Layout(2, 2, 1, "1f1b", 16, tp=2, cp=2),
+                          Training(dp=2, tp=2, cp=2))  # fmt: skip
+    assert four.breakdown["dp_reduction"] == pytest.approx(two_by_two.breakdown["dp_reduction"])
+    moe = replace(model, experts=8, top_k=2)
+    within = job_items(Job(moe, H100, devices=16), 4, Training(dp=4, tp=2))
+    across = job_items(Job(moe, H100, devices=16), 4, Training(dp=4, tp=2, cp=2))
+    assert across[1].ep_forward > within[1].ep_forward  # EP 4 x TP 2 x CP 2 spans two nodes

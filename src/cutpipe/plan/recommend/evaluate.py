@@ -59,7 +59,8 @@ def job_items(job: Job, ep: int, training: Training = PLAIN) -> list[ItemCost]:
     """The job's cost items (embedding, layers, head) with experts over ``ep`` ranks: from the
     analytic model, or measured (its compute as profiled; ZeRO still shards the state)."""
     hardware = job.hardware
-    within = ep * training.tp <= hardware.gpus_per_node
+    # EP groups sit outside TP and CP: ranks ``tp*cp`` apart
+    within = ep * training.tp * training.cp <= hardware.gpus_per_node
     if job.profile is None:
         return model_items(job.model, hardware, ep, ep_within_node=within, training=training)
     state = training.state_bytes_per_parameter
@@ -186,13 +187,15 @@ def evaluate(
     # ZeRO-1/2 reduce-scatter the gradients and all-gather the weights: an all-reduce's volume;
     # ZeRO-3 gathers its weights in every pass instead, and only reduce-scatters here
     share = 0.5 if training.zero == 3 else 1.0
+    # the DP (and CP) ranks share the dense weights, DP x CP / EP of them the routed experts
+    ranks, replicas = training.sharding_ranks, training.replicas(ep)
 
     def allreduce_on(rank: int) -> float:  # every stage the rank stores, DualPipe's copies too
         held = schedule.placement.stages_of(rank)
         grad = model.element_bytes
         return share * (
-            ring_allreduce(sum(dense[s] for s in held) * grad, dp, bandwidth, latency)
-            + ring_allreduce(sum(experts[s] for s in held) * grad, dp // ep, bandwidth, latency)
+            ring_allreduce(sum(dense[s] for s in held) * grad, ranks, bandwidth, latency)
+            + ring_allreduce(sum(experts[s] for s in held) * grad, replicas, bandwidth, latency)
         )
 
     def optimizer_on(rank: int) -> float:
@@ -304,8 +307,8 @@ def throughput_bound(job: Job, layout: Layout, search: Search, cache: dict) -> f
             routed = copies * sum(item.expert_parameters for item in items) / pp
             share = 0.5 if training.zero == 3 else 1.0
             allreduce = share * (
-                ring_bandwidth_term((stored - routed) * grad, dp, bandwidth)
-                + ring_bandwidth_term(routed * grad, dp // ep, bandwidth)
+                ring_bandwidth_term((stored - routed) * grad, training.sharding_ranks, bandwidth)
+                + ring_bandwidth_term(routed * grad, training.replicas(ep), bandwidth)
             )
             optimizer = optimizer_time(stored, job.hardware, training, routed, ep)
             step = m * work / pp
