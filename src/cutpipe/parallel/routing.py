@@ -151,25 +151,6 @@ def routing_statistics(
     return RoutingStats(stats)
 
 
-def model_routing_statistics(
-    modules: nn.Module | Iterable[nn.Module] | Mapping[Any, nn.Module],
-    names: Sequence[str],
-    num_experts: int,
-    group: dist.ProcessGroup | None = None,
-    reset: bool = False,
-    device: torch.device | None = None,
-) -> RoutingStats:
-    """What every MoE layer of the whole model routed since the last reset, on every rank of
-    ``group`` (default: all), in one all-reduce: each rank fills the rows of the layers it holds
-    (``names`` lists the model's MoE layers, the same on every rank), so the sum adds up the
-    pipeline's ranks, the replicas and DualPipe's two copies of a layer at once.
-
-    A call on every rank of ``group``, with the tensor on ``device`` (the collective's: a rank
-    holding no MoE layer has none of its own); ``reset`` starts the tallies again once read.
-    """
-    return start_model_routing_statistics(modules, names, num_experts, group, reset, device)()
-
-
 def start_model_routing_statistics(
     modules: nn.Module | Iterable[nn.Module] | Mapping[Any, nn.Module],
     names: Sequence[str],
@@ -178,10 +159,16 @@ def start_model_routing_statistics(
     reset: bool = False,
     device: torch.device | None = None,
 ) -> Callable[[], RoutingStats]:
-    """``model_routing_statistics`` with its all-reduce started now and waited for when the
-    returned function is called: a trainer starts it as the pipeline step ends and reads it
-    after the optimizer step, so the collective's wait hides behind that work. The tallies are
-    copied now; ``reset`` clears them at the read."""
+    """What every MoE layer of the whole model routed since the last reset, on every rank of
+    ``group`` (default: all), in one all-reduce: each rank fills the rows of the layers it holds
+    (``names`` lists the model's MoE layers, the same on every rank), so the sum adds up the
+    pipeline's ranks, the replicas and DualPipe's two copies of a layer at once.
+
+    The all-reduce starts now and is waited for when the returned function is called: a trainer
+    starts it as the pipeline step ends and reads it after the optimizer step, so the
+    collective's wait hides behind that work. A call on every rank of ``group``, with the tensor
+    on ``device`` (the collective's: a rank holding no MoE layer has none of its own); the
+    tallies are copied now, and ``reset`` clears them at the read."""
     layers = moe_layers_of(modules)
     unknown = sorted(set(layers) - set(names))
     if unknown:
