@@ -188,7 +188,9 @@ def evaluate(
     # ZeRO-3 gathers its weights in every pass instead, and only reduce-scatters here
     share = 0.5 if training.zero == 3 else 1.0
     # the DP (and CP) ranks share the dense weights, DP x CP / EP of them the routed experts
-    ranks, replicas = training.sharding_ranks, training.replicas(ep)
+    # (the layout's DP: a setting's ``dp`` is only what ZeRO shards over, 1 without ZeRO)
+    ranks = dp * training.cp
+    replicas = max(1, ranks // ep)
 
     def allreduce_on(rank: int) -> float:  # every stage the rank stores, DualPipe's copies too
         held = schedule.placement.stages_of(rank)
@@ -307,8 +309,8 @@ def throughput_bound(job: Job, layout: Layout, search: Search, cache: dict) -> f
             routed = copies * sum(item.expert_parameters for item in items) / pp
             share = 0.5 if training.zero == 3 else 1.0
             allreduce = share * (
-                ring_bandwidth_term((stored - routed) * grad, training.sharding_ranks, bandwidth)
-                + ring_bandwidth_term(routed * grad, training.replicas(ep), bandwidth)
+                ring_bandwidth_term((stored - routed) * grad, dp * training.cp, bandwidth)
+                + ring_bandwidth_term(routed * grad, max(1, dp * training.cp // ep), bandwidth)
             )
             optimizer = optimizer_time(stored, job.hardware, training, routed, ep)
             step = m * work / pp
