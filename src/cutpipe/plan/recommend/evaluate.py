@@ -187,10 +187,8 @@ def evaluate(
     # ZeRO-1/2 reduce-scatter the gradients and all-gather the weights: an all-reduce's volume;
     # ZeRO-3 gathers its weights in every pass instead, and only reduce-scatters here
     share = 0.5 if training.zero == 3 else 1.0
-    # the DP (and CP) ranks share the dense weights, DP x CP / EP of them the routed experts
-    # (the layout's DP: a setting's ``dp`` is only what ZeRO shards over, 1 without ZeRO)
-    ranks = dp * training.cp
-    replicas = max(1, ranks // ep)
+    # the layout's DP: a setting's ``dp`` is only what ZeRO shards over, 1 without ZeRO
+    ranks, replicas = layout.gradient_ranks
 
     def allreduce_on(rank: int) -> float:  # every stage the rank stores, DualPipe's copies too
         held = schedule.placement.stages_of(rank)
@@ -217,13 +215,13 @@ def evaluate(
         critical = max(range(pp), key=ends.__getitem__)
         step = ends[critical]
     allreduce = allreduces[critical]
-    busiest = max(range(pp), key=lambda r: result.busy_per_rank[r])
+    rank = busiest_rank(result, schedule.placement, m, measure, allreduces, tails)
     sends = result.p2p_sends / pp
     exposed_ep = (
         sum(
             costs.per_stage("ep_f", schedule.num_stages)[s]
             + costs.per_stage("ep_b", schedule.num_stages)[s]
-            for s in schedule.placement.stages_of(busiest)
+            for s in schedule.placement.stages_of(rank.index)
         )
         * m
         * (1 - result.ep_alltoalls_overlapped / max(1, result.ep_alltoalls))
@@ -236,7 +234,6 @@ def evaluate(
     held = sum(dense[s] for s in stored) + routed
     state = sum(stage_state_bytes(items, sizes)[s] for s in stored)
     where = footprint(held, memory[fullest] - state - buffers, training, buffers, routed, ep)
-    rank = busiest_rank(result, schedule.placement, m, measure, allreduces, tails)
     if split_idle and comm:
         quiet = replace(costs, comm=0.0)
         runs = [simulated(count, quiet) for count in (short_m, long_m) if count is not None]
@@ -300,6 +297,7 @@ def throughput_bound(job: Job, layout: Layout, search: Search, cache: dict) -> f
     copies = min(len(placement.copies(stage)) for stage in range(placement.num_stages))
     bandwidth, _ = job.hardware.link(within_node=job.within_node)
     grad = job.model.element_bytes
+    ranks, replicas = layout.gradient_ranks
     best = 0.0
     for group in search.settings(dp, layout.tp, pp):
         for training in group:
@@ -309,8 +307,8 @@ def throughput_bound(job: Job, layout: Layout, search: Search, cache: dict) -> f
             routed = copies * sum(item.expert_parameters for item in items) / pp
             share = 0.5 if training.zero == 3 else 1.0
             allreduce = share * (
-                ring_bandwidth_term((stored - routed) * grad, dp * training.cp, bandwidth)
-                + ring_bandwidth_term(routed * grad, max(1, dp * training.cp // ep), bandwidth)
+                ring_bandwidth_term((stored - routed) * grad, ranks, bandwidth)
+                + ring_bandwidth_term(routed * grad, replicas, bandwidth)
             )
             optimizer = optimizer_time(stored, job.hardware, training, routed, ep)
             step = m * work / pp
@@ -335,7 +333,7 @@ def ring_allreduce(size: float, ranks: int, bandwidth: float, latency: float) ->
     """Seconds for a ring all-reduce of ``size`` bytes over ``ranks``."""
     if ranks <= 1 or size == 0:
         return 0.0
-    return 2 * (ranks - 1) / ranks * size / bandwidth + 2 * (ranks - 1) * latency
+    return ring_bandwidth_term(size, ranks, bandwidth) + 2 * (ranks - 1) * latency
 
 
 def _items_on(

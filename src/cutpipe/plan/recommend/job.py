@@ -97,6 +97,13 @@ class Layout:
     def devices(self) -> int:
         return self.pp * self.dp * self.tp * self.cp
 
+    @property
+    def gradient_ranks(self) -> tuple[int, int]:
+        """The ranks a stage's gradients are reduced over: the DP and CP ranks for its dense
+        weights, DP x CP / EP of them for its routed experts."""
+        ranks = self.dp * self.cp
+        return ranks, max(1, ranks // self.ep)
+
     def refused(self, reason: str, excess: float = 0.0, training: Training = PLAIN) -> Rejected:
         """This layout as a ``Rejected``: ``excess`` bytes over the usable memory, if that is
         why, and the last training setting tried."""
