@@ -48,6 +48,8 @@ def test_two_short_steps_extrapolate_to_the_long_one(name):
     assert guess.bubble_ratio == pytest.approx(runs[256].bubble_ratio, abs=0.005)
     assert guess.bubble_ratio_span == pytest.approx(runs[256].bubble_ratio_span, abs=0.005)
     assert guess.busy_per_rank == pytest.approx(runs[256].busy_per_rank, rel=1e-9)
+    for guessed, simulated in zip(guess.done_per_rank, runs[256].done_per_rank, strict=True):
+        assert guessed == pytest.approx(simulated, rel=0.005)
     assert guess.p2p_sends == runs[256].p2p_sends
     assert guess.peak_activations_per_rank == pytest.approx(runs[256].peak_activations_per_rank)
     with pytest.raises(ValueError, match="the second longer"):

@@ -6,12 +6,17 @@ Bubble, two ways (both reported; docs/formulas.md, "Bubble measures"):
   rank over the whole step. With equal work on every rank this is ``(makespan - work) / makespan``.
 - span: the same with the makespan replaced by the longest per-rank span (first op to last op),
   which assumes the next step's warm-up overlaps this step's tail (zero-bubble papers use it).
+
+``done_per_rank`` says when each stage a rank stores ran its last op of the step (from the
+step's start): its gradients are complete then, and its data-parallel reduction can start while
+the rest of the pipeline is still in its cool-down.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from cutpipe.schedule.actions import units
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.memory import peak_activations
@@ -30,6 +35,7 @@ class Metrics:
     busy_per_rank: list[float]
     idle_per_rank: list[float]
     span_per_rank: list[float]
+    done_per_rank: list[list[float]]  # per rank, each stage it stores (``stages_of`` order)
     bubble_ratio: float
     bubble_ratio_span: float
     peak_activations_per_rank: list[float]
@@ -58,6 +64,19 @@ def p2p_sends(schedule: Schedule) -> int:
 def overlapped_pairs(schedule: Schedule) -> int:
     """How many overlapped F&B pairs the schedule runs (pairs are the negative codes)."""
     return sum(sum(map((0).__gt__, ops)) for ops in schedule.codes)
+
+
+def stages_done(timeline: Timeline, rank: int) -> list[float]:
+    """When each stage ``rank`` stores (``Placement.stages_of`` order) ran its last op, from the
+    timeline's start: the stage's weight gradients are complete then (its last W, full backward
+    or overlapped pair)."""
+    last: dict[int, float] = {}
+    for op, _, end in timeline.events(rank):
+        for unit in units(op):
+            last[unit.stage] = end
+    begin = timeline.begin
+    stages = timeline.schedule.placement.stages_of(rank)
+    return [last.get(stage, begin) - begin for stage in stages]
 
 
 def _idle(makespan: float, busy: list[float], spans: list[float]) -> dict:
@@ -95,6 +114,7 @@ def metrics(timeline: Timeline, costs: Costs | None = None) -> Metrics:
         makespan=makespan,
         busy_per_rank=busy,
         span_per_rank=spans,
+        done_per_rank=[stages_done(timeline, r) for r in range(R)],
         **_idle(makespan, busy, spans),
         peak_activations_per_rank=peak_activations(schedule, costs),
         params_per_rank=schedule.placement.parameter_shares(params),
@@ -135,6 +155,9 @@ def extrapolate(small: Metrics, large: Metrics, microbatches: int) -> Metrics:
         makespan=makespan,
         busy_per_rank=busy,
         span_per_rank=spans,
+        done_per_rank=[
+            grow_all(a, b) for a, b in zip(small.done_per_rank, large.done_per_rank, strict=True)
+        ],
         **_idle(makespan, busy, spans),
         peak_activations_per_rank=large.peak_activations_per_rank,
         params_per_rank=large.params_per_rank,

@@ -114,7 +114,9 @@ class Run:
                         sequence_parallel=self.sequence_parallel)  # fmt: skip
 
     def job(self, hardware: Hardware = A100) -> Job:
-        return Job(self.model, hardware, self.gpus, self.batch)
+        # each rank reduces its gradients after its last backward, in one collective (local
+        # DDP; PyTorch's DDP hides it in the backward: ``Run.overlapped_allreduce``)
+        return Job(self.model, hardware, self.gpus, self.batch, reduction_start="rank")
 
     def describe(self) -> str:
         """A table cell: ``TP8 PP35 DP9, mb 1 x 280, interleaved x3, full``."""

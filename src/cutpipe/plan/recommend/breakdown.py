@@ -20,10 +20,12 @@ for. Its step is cut into parts (``PARTS``) that add up to the plan's step time:
   simulation, the transfer time of what the rank receives, at most its idle time;
 - ``bubble``: the rest of its idle time in the pipeline (the makespan, or its span when steps
   overlap);
-- ``dp_reduction``: its gradient reduction over the data-parallel ranks (all exposed: the step
-  waits for it), ``optimizer``: its Adam step;
-- ``waiting``: the wait for a slower rank's reduction and optimizer (steps synchronised) or for
-  the rank whose span and reduction end last (steps overlap).
+- ``dp_reduction``: the gradient reduction over the data-parallel ranks that the step waits for
+  after the pipeline, ``optimizer``: the Adam step after it. Each stage's reduction starts once
+  the stage is done, so what runs in the cool-down is hidden
+  (``cutpipe.plan.recommend.reduction``). When steps synchronise these are the rank's whose
+  reduction and optimizer step end last, when they overlap the busiest rank's own;
+- ``waiting``: when steps overlap, the wait for the rank whose span and tail end last.
 
 The bubble ``recommend`` reports is this rank's idle share of its pipeline time,
 ``1 - busy / makespan`` (``/ span`` when steps overlap).
@@ -68,8 +70,8 @@ class Rank:
     busy: float  # seconds its ops run, exposed all-to-alls included
     pipeline: float  # the makespan, or its span when steps overlap
     receives: int  # activations and gradients it receives from other ranks
-    reduction: float  # its gradient reduction
-    optimizer: float  # its optimizer step
+    reduction: float  # the gradient reduction the step waits for after the pipeline
+    optimizer: float  # the optimizer step after it
     quiet: float | None = None  # ``pipeline`` simulated without transfer time, where known
 
 

@@ -7,7 +7,7 @@ step time and memory measures), or it is a ``Rejected`` with the reason.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
@@ -39,6 +39,7 @@ from cutpipe.plan.recommend.explain import over_memory, too_few_items
 from cutpipe.plan.recommend.footprint import buffer_bytes, footprint
 from cutpipe.plan.recommend.job import Job, Layout
 from cutpipe.plan.recommend.plans import Plan, Rejected
+from cutpipe.plan.recommend.reduction import Tail, reductions_end
 from cutpipe.plan.recommend.settings import Search
 from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.registry import schedule_info
@@ -189,10 +190,9 @@ def evaluate(
     share = 0.5 if training.zero == 3 else 1.0
     # the layout's DP: a setting's ``dp`` is only what ZeRO shards over, 1 without ZeRO
     ranks, replicas = layout.gradient_ranks
+    grad = model.element_bytes
 
-    def allreduce_on(rank: int) -> float:  # every stage the rank stores, DualPipe's copies too
-        held = schedule.placement.stages_of(rank)
-        grad = model.element_bytes
+    def reduction(held: Sequence[int]) -> float:  # one collective over these stages' gradients
         return share * (
             ring_allreduce(sum(dense[s] for s in held) * grad, ranks, bandwidth, latency)
             + ring_allreduce(sum(experts[s] for s in held) * grad, replicas, bandwidth, latency)
@@ -204,18 +204,14 @@ def evaluate(
         total = sum(dense[s] for s in held) + routed
         return optimizer_time(total, hardware, training, routed, ep)
 
-    allreduces = [allreduce_on(rank) for rank in range(pp)]
-    tails = [a + optimizer_on(rank) for rank, a in enumerate(allreduces)]
     measure = job.step_measure
-    if measure == "makespan":  # every rank waits for the slowest all-reduce and optimizer step
-        critical = max(range(pp), key=tails.__getitem__)
-        step = result.makespan + tails[critical]
-    else:  # each rank steps after its own span, all-reduce and optimizer; the longest sets the pace
-        ends = [span + tail for span, tail in zip(result.span_per_rank, tails, strict=True)]
-        critical = max(range(pp), key=ends.__getitem__)
-        step = ends[critical]
-    allreduce = allreduces[critical]
-    rank = busiest_rank(result, schedule.placement, m, measure, allreduces, tails)
+    tails = rank_tails(result, schedule.placement, measure, job.reduction_start, reduction,
+                       optimizer_on)  # fmt: skip
+    steps = [_pipeline_of(result, measure, rank) + tail.exposed for rank, tail in enumerate(tails)]
+    critical = max(range(pp), key=steps.__getitem__)
+    step = steps[critical]
+    allreduce = tails[critical].reduction
+    rank = busiest_rank(result, schedule.placement, m, measure, tails)
     sends = result.p2p_sends / pp
     exposed_ep = (
         sum(
@@ -282,19 +278,22 @@ def _memo(cache: dict | None, key: tuple, make: Callable[[], Any]) -> Any:
 def throughput_bound(job: Job, layout: Layout, search: Search, cache: dict) -> float:
     """Tokens/s no setting of ``layout`` can beat: every rank busy all the time with its share
     of the setting's work; no bubble, no pipeline transfers, no exposed all-to-all; and, when
-    steps synchronise, the average rank's gradient all-reduce (its bandwidth term) and
-    optimizer step after it.
+    steps synchronise, the average rank's optimizer step after it, and its gradient all-reduce
+    (the bandwidth term) where none of it can hide (one stage per rank, or all of a rank's
+    reduced after its last op).
 
     The busy times add up to the microbatches' F, B and W (an overlapped pair takes at least
-    its two halves), and the extrapolated makespan is at least every rank's busy time; the
-    sync step adds the largest all-reduce and optimizer step, which grow linearly with the
-    parameters a rank stores, so at least the average rank's. The overlap step is a rank's
-    span plus its own: extrapolated spans can fall a little below the busy times they
+    its two halves). A sync step is at least every rank's busy time, the reduction of its last
+    stage (started after its last op) and its optimizer step (``rank_tails``), so at least the
+    average rank's: both grow linearly with the parameters a rank stores. The overlap step is
+    a rank's span plus its own: extrapolated spans can fall a little below the busy times they
     contain, and the all-reduce and optimizer step are the margin left for that."""
     pp, dp, ep, m = layout.pp, layout.dp, layout.ep, layout.microbatches
     info = schedule_info(layout.schedule)
     placement = _memo(cache, ("placement", info.spec, pp), lambda: placement_of(info, pp))
     copies = min(len(placement.copies(stage)) for stage in range(placement.num_stages))
+    alone = all(len(placement.stages_of(rank)) == 1 for rank in range(pp))
+    exposed = job.reduction_start == "rank" or alone
     bandwidth, _ = job.hardware.link(within_node=job.within_node)
     grad = job.model.element_bytes
     ranks, replicas = layout.gradient_ranks
@@ -313,7 +312,7 @@ def throughput_bound(job: Job, layout: Layout, search: Search, cache: dict) -> f
             optimizer = optimizer_time(stored, job.hardware, training, routed, ep)
             step = m * work / pp
             if job.step_measure == "makespan":
-                step += allreduce + optimizer
+                step += allreduce * exposed + optimizer
             best = max(best, job.model.tokens * m * dp / step)
     return best * (1 + BOUND_ROUNDING)
 
@@ -346,20 +345,53 @@ def _items_on(
     return _memo(cache, ("items", ep, training, hardware), lambda: job_items(on, ep, training))
 
 
+def rank_tails(
+    result: Metrics, placement: Placement, measure: str, start: str,
+    reduction: Callable[[Sequence[int]], float], optimizer: Callable[[int], float],
+) -> list[Tail]:  # fmt: skip
+    """Each rank's reductions and optimizer step after its pipeline (``reduction``): each
+    stage's reduction from when it is done (``start`` "stage"), or the rank's in one collective
+    after its last op ("rank"). ``reduction(stages)`` prices one collective over the stages'
+    gradients, ``optimizer(rank)`` the rank's optimizer step."""
+    # an extrapolated makespan may lie past every rank's last op (it is never below the
+    # busiest rank's busy time), and a rank's last op never ends before its busy time: the
+    # finishes move with them
+    late = result.makespan - max(max(done) for done in result.done_per_rank)
+    tails = []
+    for index, done in enumerate(result.done_per_rank):
+        held = placement.stages_of(index)
+        late_here = max(late, result.busy_per_rank[index] - max(done))
+        done = [t + late_here for t in done]
+        if start == "rank":
+            reduced = max(done) + reduction(held)
+        else:
+            reduced = reductions_end(done, [reduction((stage,)) for stage in held])
+        after = result.makespan if measure == "makespan" else max(done)
+        tails.append(Tail(after, reduced, optimizer(index), reduction(held)))
+    return tails
+
+
 def busiest_rank(
-    result: Metrics, placement: Placement, microbatches: int, measure: str,
-    reductions: list[float], tails: list[float],
-) -> Rank:  # fmt: skip
-    """The rank with the most busy time, as ``step_breakdown`` and the bubble see it."""
+    result: Metrics, placement: Placement, microbatches: int, measure: str, tails: list[Tail]
+) -> Rank:
+    """The rank with the most busy time, as ``step_breakdown`` and the bubble see it, with the
+    tail the step waits for after the pipeline: when steps synchronise, that of the rank whose
+    reduction and optimizer step end last; when they overlap, its own."""
     index = busiest_of(result)
+    tail = tails[index] if measure == "span" else max(tails, key=lambda t: t.exposed)
     return Rank(
         index,
         busy=result.busy_per_rank[index],
-        pipeline=result.makespan if measure == "makespan" else result.span_per_rank[index],
+        pipeline=_pipeline_of(result, measure, index),
         receives=receives(placement, index, microbatches),
-        reduction=reductions[index],
-        optimizer=tails[index] - reductions[index],
+        reduction=tail.exposed_reduction,
+        optimizer=tail.exposed_optimizer,
     )
+
+
+def _pipeline_of(result: Metrics, measure: str, rank: int) -> float:
+    """The makespan, or ``rank``'s span when steps overlap."""
+    return result.makespan if measure == "makespan" else result.span_per_rank[rank]
 
 
 def _pipeline_time(runs: list[Metrics], microbatches: int, measure: str, rank: int) -> float:
@@ -368,7 +400,7 @@ def _pipeline_time(runs: list[Metrics], microbatches: int, measure: str, rank: i
     result = runs[0]
     if len(runs) > 1:
         result = extrapolate(result, runs[1], microbatches)
-    return result.makespan if measure == "makespan" else result.span_per_rank[rank]
+    return _pipeline_of(result, measure, rank)
 
 
 def rank_bubble(rank: Rank) -> float:

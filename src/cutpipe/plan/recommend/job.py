@@ -23,6 +23,10 @@ from cutpipe.spec import ModelSpec
 USABLE_MEMORY = 0.95
 #: ``step_boundary`` -> the step measure it ranks by.
 STEP_MEASURES = {"sync": "makespan", "overlap": "span"}
+#: When a rank's gradient reduction starts (``cutpipe.plan.recommend.reduction``): each stage's
+#: once that stage is done (cutpipe's runtime, overlapped DDP), or all of the rank's after its
+#: last op (Megatron-LM's local DDP).
+REDUCTION_STARTS = ("stage", "rank")
 #: More devices than any cluster; ``recommend`` enumerates the divisors of the count.
 MAX_DEVICES = 1_000_000
 #: Sequences per step per device when the job gives no global batch.
@@ -36,7 +40,8 @@ class Job:
     ``global_batch`` counts sequences (None: ``SEQUENCES_PER_DEVICE`` per device); ``memory`` is
     bytes per device (None: the GPU's), of which ``usable_memory`` (0 < F <= 1) may be filled;
     ``profile``: measured costs instead of the analytic model; ``step_boundary``: "sync" or
-    "overlap" (``STEP_MEASURES``)."""
+    "overlap" (``STEP_MEASURES``); ``reduction_start``: "stage" or "rank"
+    (``REDUCTION_STARTS``)."""
 
     model: ModelSpec
     hardware: Hardware
@@ -46,6 +51,7 @@ class Job:
     usable_memory: float = USABLE_MEMORY
     profile: Profile | None = None
     step_boundary: str = "sync"
+    reduction_start: str = "stage"
 
     def __post_init__(self) -> None:
         check_job(self)
@@ -138,6 +144,11 @@ def check_job(job: Job) -> None:
     if not isinstance(boundary, str) or boundary not in STEP_MEASURES:
         raise ValueError(
             f"step_boundary must be one of {', '.join(map(repr, STEP_MEASURES))}, got {boundary!r}"
+        )
+    if job.reduction_start not in REDUCTION_STARTS:
+        raise ValueError(
+            f"reduction_start must be one of {', '.join(map(repr, REDUCTION_STARTS))}, "
+            f"got {job.reduction_start!r}"
         )
     usable = job.usable_memory
     if isinstance(usable, bool) or not isinstance(usable, numbers.Real):
