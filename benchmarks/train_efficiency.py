@@ -15,7 +15,11 @@ step splits into four factors whose product is about the efficiency (medians ove
 - runtime: the simulated step over the measured pipeline step (latency between ops);
 - outside: the pipeline step over the whole step (data, loss, gradient norm, optimizer...).
 
-Rounds alternate the runs, and each figure is the median over rounds.
+Rounds alternate the runs, and each figure is the median over rounds. Each run's efficiency is
+against the one process measured just before it, so a neighbour's load that comes and goes
+moves both alike. Before the runs, R copies of the one process run side by side: their step
+over the lone one's is the contention of R busy cores sharing this machine's memory system and
+frequency, the part of "ops" no runtime can win back.
 
     python benchmarks/train_efficiency.py [--ranks 2 4] [--schedules 1f1b zbv] [--steps 6]
         [--rounds 2] [--balance measured nominal] [--model examples/models/tiny-moe.yaml --ep 2]
@@ -25,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 import torch
@@ -50,30 +56,59 @@ MICROBATCHES = 8
 SCHEDULES = ("1f1b", "interleaved", "zbh1", "zbh2", "zbv", "dualpipev", "dualpipe")
 
 
-def one_process_steps(spec: ModelSpec, batch: int, steps: int) -> list[float]:
-    """Seconds per step of one process (one thread) training the whole model on the batch, the
-    faster of the whole batch at once and the same microbatches accumulated (on a CPU, small
-    microbatches can be the faster: their activations stay in cache)."""
+def one_process_steps(
+    spec: ModelSpec, batch: int, steps: int, pieces: int, start: Barrier | None = None
+) -> list[float]:
+    """Seconds per step of one process (one thread) training the whole model on the batch in
+    ``pieces`` accumulated microbatches, after the first step (it allocates). ``start``: wait
+    there before timing, to run side by side with other copies."""
     torch.set_num_threads(1)
     model = language_model(spec, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = LanguageModelLoss()
     generator = torch.Generator().manual_seed(0)
-    best: list[float] = []
-    for pieces in (1, MICROBATCHES):
-        times = []
-        for _ in range(steps):
-            tokens = torch.randint(spec.vocab, (batch, spec.seq_len + 1), generator=generator)
-            start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            for chunk in tokens.chunk(pieces):
-                (loss_fn(model(chunk[:, :-1]), chunk[:, 1:]) / pieces).backward()
-            optimizer.step()
-            times.append(time.perf_counter() - start)
-        times = times[1:]  # the first step allocates
-        if not best or statistics.median(times) < statistics.median(best):
-            best = times
-    return best
+    if start is not None:
+        start.wait()
+    times = []
+    for _ in range(steps):
+        tokens = torch.randint(spec.vocab, (batch, spec.seq_len + 1), generator=generator)
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        for chunk in tokens.chunk(pieces):
+            (loss_fn(model(chunk[:, :-1]), chunk[:, 1:]) / pieces).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - began)
+    return times[1:]
+
+
+def faster_pieces(spec: ModelSpec, batch: int, steps: int) -> int:
+    """The one process's faster way: the whole batch at once or the run's microbatches
+    accumulated (on a CPU, small microbatches can be the faster: their activations stay in
+    cache)."""
+    return min(
+        (1, MICROBATCHES),
+        key=lambda pieces: statistics.median(one_process_steps(spec, batch, steps, pieces)),
+    )
+
+
+def _copy(spec: ModelSpec, batch: int, steps: int, pieces: int, start: Barrier, out) -> None:
+    out.put(statistics.median(one_process_steps(spec, batch, steps, pieces, start)))
+
+
+def side_by_side(spec: ModelSpec, batch: int, steps: int, pieces: int, copies: int) -> float:
+    """The median step of ``copies`` one-process runs started together, one per process."""
+    context = multiprocessing.get_context("spawn")
+    start, out = context.Barrier(copies), context.Queue()
+    workers = [
+        context.Process(target=_copy, args=(spec, batch, steps, pieces, start, out))
+        for _ in range(copies)
+    ]
+    for worker in workers:
+        worker.start()
+    medians = [out.get(timeout=1800) for _ in workers]
+    for worker in workers:
+        worker.join()
+    return statistics.median(medians)
 
 
 def pipeline_run(model: Path, schedule: str, ranks: int, ep: int, batch: int, steps: int,
@@ -94,7 +129,7 @@ def pipeline_run(model: Path, schedule: str, ranks: int, ep: int, batch: int, st
     return {"records": records, "timeline": Timeline.load(trace)}
 
 
-def factors(run: dict, one_step: float, ranks: int, ep: int) -> dict[str, float]:
+def factors(run: dict, ranks: int, ep: int) -> dict[str, float]:
     """The run's efficiency (over its ``ranks`` x ``ep`` processes) and its four factors.
 
     Every step's record carries its replay (``replay_ms``: the simulator fed that step's
@@ -103,6 +138,7 @@ def factors(run: dict, one_step: float, ranks: int, ep: int) -> dict[str, float]
     from the last step's timeline (one pipeline's: each of the ``ep`` pipelines does the same
     share of the work), scaled to the median step's replay.
     """
+    one_step = run["one_step"]
     steady = run["records"][1:] or run["records"][-1:]
     last = run["records"][-1]
     timeline: Timeline = run["timeline"]
@@ -149,33 +185,46 @@ def main() -> None:
             model = Path(args.model)
             batch = 8 * ModelSpec.load(model).microbatch_size  # the trainer's default
         spec = ModelSpec.load(model)
+        pieces = faster_pieces(spec, batch, args.steps)
+        contention = {
+            processes: side_by_side(spec, batch, args.steps, pieces, processes)
+            / statistics.median(one_process_steps(spec, batch, args.steps, pieces))
+            for processes in sorted({min(ranks * args.ep, os.cpu_count() or 1)
+                                     for ranks in args.ranks})
+            if processes > 1
+        }  # fmt: skip
         results: dict[tuple, list[dict]] = {}
         one: list[float] = []
         for round_ in range(args.rounds):
-            one += one_process_steps(spec, batch, args.steps)
             for ranks in args.ranks:
                 for schedule in args.schedules:
                     for balance in args.balance:
                         folder = Path(scratch) / f"{round_}-{ranks}-{schedule}-{balance}"
                         folder.mkdir()
+                        one_step = statistics.median(
+                            one_process_steps(spec, batch, args.steps, pieces)
+                        )
+                        one.append(one_step)
+                        run = pipeline_run(
+                            model, schedule, ranks, args.ep, batch, args.steps, balance, folder
+                        )
                         results.setdefault((ranks, schedule, balance), []).append(
-                            pipeline_run(
-                                model, schedule, ranks, args.ep, batch, args.steps, balance, folder
-                            )
+                            {**run, "one_step": one_step}
                         )
     one_step = statistics.median(one)
     ep = f" x EP {args.ep}" if args.ep > 1 else ""
+    side = ", ".join(f"{n} side by side {c:.2f}x" for n, c in contention.items())
     table = Table(
         title=f"{spec.name}{ep}, global batch {batch} in {MICROBATCHES} microbatches per "
-        f"pipeline; one process: {one_step:.2f} s per step, {batch * spec.seq_len / one_step:,.0f} "
-        f"tokens/s; medians of {args.rounds} rounds"
+        f"pipeline; one process: {one_step:.2f} s per step (in {pieces} pieces), "
+        f"{batch * spec.seq_len / one_step:,.0f} tokens/s ({side}); medians of {args.rounds} rounds"
     )
     columns = ("ranks", "schedule", "balance", "tokens/s", "efficiency", "simulated",
                "measured / simulated", "ops", "bubble", "runtime", "outside")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column in ("schedule", "balance") else "right")
     for (ranks, schedule, balance), runs in results.items():
-        each = [factors(run, one_step, ranks, args.ep) for run in runs]
+        each = [factors(run, ranks, args.ep) for run in runs]
         median = {key: statistics.median(e[key] for e in each) for key in each[0]}
         table.add_row(
             f"{ranks}{ep}", schedule, balance, f"{median['tokens/s']:,.0f}",
