@@ -12,6 +12,7 @@ import pytest
 from cutpipe.plan.costs.model import Training, gpu
 from cutpipe.plan.recommend.recommend import Job, Layout, Plan, evaluate
 from cutpipe.plan.recommend.reduction import Tail, reductions_end
+from cutpipe.schedule.actions import units
 from cutpipe.schedule.registry import generate
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.metrics import metrics
@@ -57,6 +58,21 @@ def test_a_v_finishes_its_second_stage_before_its_first():
     for rank, (first, second) in enumerate(result.done_per_rank):
         assert schedule.placement.stages_of(rank) == (rank, 7 - rank)
         assert second < first
+
+
+@pytest.mark.parametrize("name", ["dualpipe", "dualpipev", "interleaved:chunks=3", "zbh2"])
+def test_stage_finishes_read_off_the_codes_match_the_ops(name):
+    """``stages_done`` reads packed codes from the end; the ops themselves, F&B pairs split
+    into their halves, say the same."""
+    costs = Costs(f=1.0, b=1.5, w=0.5, comm=0.25)
+    timeline = simulate(generate(name, 4, 8), costs)
+    for rank, done in enumerate(metrics(timeline, costs).done_per_rank):
+        last = {}
+        for op, _, end in timeline.events(rank):
+            for unit in units(op):
+                last[unit.stage] = end
+        stages = timeline.schedule.placement.stages_of(rank)
+        assert done == [last[stage] - timeline.begin for stage in stages]
 
 
 def plan(schedule: str, start: str, boundary: str = "sync") -> Plan:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from cutpipe.schedule.actions import units
+from cutpipe.schedule.codes import KIND_BITS
 from cutpipe.schedule.schedule import Schedule
 from cutpipe.sim.costs import Costs
 from cutpipe.sim.memory import peak_activations
@@ -69,13 +69,18 @@ def overlapped_pairs(schedule: Schedule) -> int:
 def stages_done(timeline: Timeline, rank: int) -> list[float]:
     """When each stage ``rank`` stores (``Placement.stages_of`` order) ran its last op, from the
     timeline's start: the stage's weight gradients are complete then (its last W, full backward
-    or overlapped pair)."""
+    or overlapped pair). Read from the rank's last ops back, on the packed codes: a planner
+    asks this of hundreds of long schedules."""
+    schedule = timeline.schedule
+    stages = schedule.placement.stages_of(rank)
+    codec, begin = schedule.codec, timeline.begin
     last: dict[int, float] = {}
-    for op, _, end in timeline.events(rank):
-        for unit in units(op):
-            last[unit.stage] = end
-    begin = timeline.begin
-    stages = timeline.schedule.placement.stages_of(rank)
+    ends = reversed(timeline.ends[rank])
+    for code, end in zip(reversed(schedule.codes[rank]), ends, strict=True):
+        for unit in codec.split_pair(code) if code < 0 else (code,):
+            last.setdefault((unit >> KIND_BITS) % codec.num_stages, end)
+        if len(last) == len(stages):
+            break
     return [last.get(stage, begin) - begin for stage in stages]
 
 
