@@ -61,6 +61,10 @@ def test_the_settings_searched():
     assert search.settings(1, 1) == [[Training(0, 1, r)] for r in ("none", "selective", "full")]
     assert [[t.zero for t in group] for group in search.settings(8, 1, pp=1)] == [[1, 2, 3]] * 3
     assert [[t.zero for t in group] for group in search.settings(8, 1, pp=4)] == [[1]] * 3
+    # ZeRO shards over DP x CP: context parallelism alone has ranks to shard over
+    ring = Search.checked(None, "none", "bf16", None, H100, DENSE, None, cp=2)
+    assert ring.settings(1, 1, pp=4) == [[Training(1, 1, "none", cp=2)]]
+    assert ring.settings(1, 1, pp=4)[0][0].sharding_ranks == 2
     fixed = Search.checked(3, "full", "bf16", 2, H100, DENSE, None)
     assert fixed.settings(8, 2, pp=4) == [[Training(3, 8, "full", False, 2)]]
     assert {tp for _, tp in search.shapes(16, DENSE, H100)} == {1, 2, 4, 8}

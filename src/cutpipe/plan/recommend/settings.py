@@ -102,7 +102,8 @@ class Search:
             levels = [self.recompute]
         else:
             levels = ["none"] if self.measured else list(RECOMPUTE_MODES)
-        unsharded = [0] if dp == 1 else [1] if pp > 1 else [1, 2, 3]  # nothing over one rank
+        # nothing to shard over one rank; ZeRO shards over DP x CP (``Training.sharding_ranks``)
+        unsharded = [0] if dp * self.cp == 1 else [1] if pp > 1 else [1, 2, 3]
         zeros = [self.zero] if self.zero is not None else unsharded
         return [[self.training(z, dp, r, tp) for z in zeros] for r in levels]
 
