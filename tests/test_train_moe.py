@@ -153,19 +153,22 @@ def test_an_expert_parallel_checkpoint_reloads_into_other_layouts_and_exports_wh
 
     folder = tmp_path / "ckpt"
     saved = options(model_file, "dualpipev", ep=2, checkpoint_dir=str(folder), checkpoint_every=2)
-    first = run(workers.train_rank, 4, (saved,), timeout=300)[0]
+    # the same checkpoint loaded into PP 4 x EP 1 and PP 1 x EP 4 by the same processes
+    layouts = [
+        options(model_file, "1f1b", microbatches=4, checkpoint_dir=str(folder), resume=True),
+        options(model_file, "1f1b", ep=4, microbatches=2, checkpoint_dir=str(folder), resume=True),
+    ]
+    calls = [("train_rank", (saved,)), ("loaded_parameters", (layouts,))]
+    ranks = run(workers.in_turn, 4, (calls,), timeout=400)
+    first = ranks[0][0]
     exported = tmp_path / "model.pt"
     export_checkpoint(folder, exported)  # step 3, written by the four expert-parallel ranks
     state = torch.load(exported)
     whole = language_model(load_model_config(Path(model_file))).state_dict()
     assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in whole.items()}
-    # the same checkpoint loads into PP 4 x EP 1 and PP 1 x EP 4: every parameter bit for bit
-    layouts = [
-        options(model_file, "1f1b", microbatches=4, checkpoint_dir=str(folder), resume=True),
-        options(model_file, "1f1b", ep=4, microbatches=2, checkpoint_dir=str(folder), resume=True),
-    ]
+    # every parameter of both layouts bit for bit
     parameters = set(dict(language_model(load_model_config(Path(model_file))).named_parameters()))
-    for layout in zip(*run(workers.loaded_parameters, 4, (layouts,), timeout=300), strict=True):
+    for layout in zip(*(held for _, held in ranks), strict=True):
         seen = set()
         for held in layout:  # every rank's parameters
             for name, value in held.items():
