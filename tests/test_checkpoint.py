@@ -7,8 +7,6 @@ import errno
 import json
 import os
 import random
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -659,31 +657,3 @@ def test_the_checks_before_any_worker_import_no_torch():
             if isinstance(node, ast.ImportFrom):
                 targets = [node.module]
             assert not any(t.split(".")[0] == "torch" for t in targets), (name, targets)
-
-
-@pytest.mark.timeout(300)
-def test_cutpipe_train_refuses_to_hide_a_run_and_says_where_it_resumed(tmp_path):
-    """The trainer's wiring, end to end: the second new run into the same directory is refused
-    before it saves anything; ``--resume`` says which step it took."""
-    directory = tmp_path / "ckpt"
-    command = [sys.executable, "-m", "cutpipe", "train", "--quiet", "--schedule", "1f1b",
-               "--nproc", "1", "--checkpoint-every", "1", "--checkpoint-dir", str(directory)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-    def train(*more: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [*command, *more], capture_output=True, text=True, env=env, timeout=200
-        )
-
-    first = train("--steps", "2")
-    assert first.returncode == 0, first.stderr[-3000:]
-    before = listing(directory)
-    again = train("--steps", "2")
-    assert again.returncode != 0
-    assert f"--checkpoint-dir {directory} already holds checkpoints" in again.stderr
-    assert "Traceback" not in again.stderr
-    assert listing(directory) == before
-    resumed = train("--steps", "3", "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {step_folder(directory, 2)} (after step 2)" in resumed.stdout
-    assert latest_checkpoint(directory) == step_folder(directory, 3)
