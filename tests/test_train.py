@@ -188,17 +188,6 @@ def cutpipe_train(*arguments: str, env: dict | None = None) -> subprocess.Comple
     return subprocess.run(command, capture_output=True, text=True, timeout=280, env=env or ENV)
 
 
-@pytest.mark.timeout(300)
-def test_torchrun_runs_the_same_command_with_its_metrics(model_file, tmp_path):
-    """``--metrics`` passes through torchrun (which would take ``--log`` for its ``--log-dir``)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               "2", "-m", "cutpipe", "train", "--quiet", "--model", model_file, "-s", "dualpipev",
-               "--steps", "2", "-m", "4", "--global-batch", "8", "--metrics", str(tmp_path / "m.jsonl")]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=280, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(_losses(tmp_path / "m.jsonl")) == [1, 2]
-
-
 def _losses(log: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(log)}
 
