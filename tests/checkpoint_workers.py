@@ -267,3 +267,13 @@ def stall(rank: int, world: int, directory: str, width: int, repeats: int) -> di
         figures[kind] = sorted(times)[len(times) // 2]
     size = sum(p.numel() * p.element_size() for p in module.parameters())
     return {**figures, "bytes": size * 3}  # parameters and AdamW's two moments
+
+
+def four_ranks(
+    rank: int, world: int, saved: tuple[str, str, str, str], stalled: tuple[str, int, int]
+) -> dict:
+    """The 4-rank launches in one: ``save_then_load`` with ``saved``, then ``stall`` with
+    ``stalled``."""
+    loaded = save_then_load(rank, world, *saved)
+    dist.barrier()
+    return {"loaded": loaded, "stall": stall(rank, world, *stalled)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from typing import Any
 
 import torch
 from torch import nn
@@ -299,4 +300,18 @@ def plugged(rank: int, world: int) -> dict:
         "transport": made["transport"].calls,
         "forwards": sum(1 for op in ops if op.kind.name == "F"),
         "weights": sum(1 for op in ops if op.kind.name == "W"),
+    }
+
+
+def two_ranks(
+    rank: int, world: int, exact_cases: list[tuple[str, int, str]], bad_cases: list[str]
+) -> dict[str, Any]:
+    """The 2-rank launches in one, every check that leaves the process group usable: the bad
+    inputs last (each fails before any boundary value moves)."""
+    return {
+        "exactness": exactness(rank, world, exact_cases),
+        "shapes": shapes(rank, world),
+        "overlap_hook": overlap_hook(rank, world),
+        "plugged": plugged(rank, world),
+        "bad_inputs": bad_inputs(rank, world, bad_cases),
     }

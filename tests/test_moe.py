@@ -81,23 +81,8 @@ def test_pp2_x_ep2_pipelines_match_the_reference_for_every_schedule(four_ranks, 
                 assert result["interleaved"] == 0, case
 
 
-@pytest.mark.timeout(120)
-def test_eight_processes_as_pp4_x_ep2_and_pp2_x_ep2_x_dp2():
-    runs = [
-        ((4, 2, 1), [("dualpipev", 7, "sum", True)]),
-        ((2, 2, 2), [("dualpipev", 4, "mean", True), ("1f1b", 4, "sum", True)]),
-    ]
-    ranks = run(workers.several_layouts, 8, (runs,), timeout=110)
-    for layout, width in ((0, 4), (1, 2)):
-        coordinates = {rank[layout][0]["coordinate"] for rank in ranks}
-        assert len(coordinates) == 8  # every rank has its own place in the mesh
-        assert {c[0] for c in coordinates} == set(range(width))
-    for rank in ranks:
-        for layout in rank:
-            for result in layout:
-                case = result["case"]
-                assert result["loss"] == pytest.approx(result["expected"], rel=1e-6), case
-                assert result["grad_error"] <= 1e-6, case
+# PP 4 x EP 2 and PP 2 x EP 2 x DP 2 on 8 processes: tests/test_train_moe.py, in its one 8-process
+# launch (test_eight_processes_as_pp4_x_ep2_and_pp2_x_ep2_x_dp2)
 
 
 @pytest.mark.timeout(180)

@@ -37,13 +37,24 @@ def four_ranks() -> list[dict]:
     return run(workers.four_ranks, 4, (EMULATED, 0.1, EXACT[4]), timeout=380)
 
 
+#: the bad inputs that leave the process group usable (a failure inside an op ends the
+#: processes' pipeline: "loss" and "finite" run on their own)
+RECOVERABLE = ["ranks", "modules", "not a module", "timeout", "batch", "empty", "targets",
+               "local loss"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """The 2-rank exactness cases and the checks below that leave the group usable, from one
+    launch."""
+    return run(workers.two_ranks, 2, (EXACT[2], RECOVERABLE), timeout=300)
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_schedule_matches_the_single_process_reference(world, request):
-    if world == 4:
-        ranks = [rank["exactness"] for rank in request.getfixturevalue("four_ranks")]
-    else:
-        ranks = run(workers.exactness, world, (EXACT[world],), timeout=200)
+    fixture = {2: "two_ranks", 4: "four_ranks"}[world]
+    ranks = [rank["exactness"] for rank in request.getfixturevalue(fixture)]
     for results in ranks:
         for result in results:
             case = result["case"]
@@ -53,9 +64,9 @@ def test_every_schedule_matches_the_single_process_reference(world, request):
             assert result["peak"] == result["predicted_peak"], case  # the runtime's own count
 
 
-@pytest.mark.timeout(120)
-def test_boundary_shapes_and_dtypes_are_learned_and_relearned():
-    losses = run(workers.shapes, 2, timeout=90)
+@pytest.mark.timeout(360)
+def test_boundary_shapes_and_dtypes_are_learned_and_relearned(two_ranks):
+    losses = [rank["shapes"] for rank in two_ranks]
     assert losses[0] == losses[1]  # every rank returns the same loss
     first, second, third = losses[0]
     assert first == third and first != second
@@ -91,16 +102,15 @@ BAD_INPUTS = {  # case: (the rank at fault, or None for all, its error, the mess
 }  # fmt: skip
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize(
-    "cases", [["ranks", "modules", "not a module", "timeout", "batch", "empty", "targets",
-               "local loss"],
-              ["loss"], ["finite"]],  # a failure inside an op ends the processes' pipeline
-)  # fmt: skip
-def test_bad_input_raises_a_message_that_says_what_to_change(cases):
-    results = run(workers.bad_inputs, 2, (cases,), timeout=120)
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("cases", [RECOVERABLE, ["loss"], ["finite"]])
+def test_bad_input_raises_a_message_that_says_what_to_change(cases, request):
+    if cases == RECOVERABLE:
+        results = [rank["bad_inputs"] for rank in request.getfixturevalue("two_ranks")]
+    else:
+        results = run(workers.bad_inputs, 2, (cases,), timeout=120)
     if "local loss" in cases:  # loss_on_every_rank=False: no all-reduce, None off the last stage
-        cases.remove("local loss")
+        cases = [case for case in cases if case != "local loss"]
         kept, everywhere = json.loads(results[1]["local loss"])
         assert kept == everywhere and json.loads(results[0]["local loss"]) == [None, everywhere]
     for case in cases:
@@ -117,9 +127,9 @@ def test_bad_input_raises_a_message_that_says_what_to_change(cases):
                 ), (case, result)
 
 
-@pytest.mark.timeout(120)
-def test_an_overlap_hook_runs_every_pair_and_keeps_gradients_exact():
-    for result in run(workers.overlap_hook, 2, timeout=90):
+@pytest.mark.timeout(360)
+def test_an_overlap_hook_runs_every_pair_and_keeps_gradients_exact(two_ranks):
+    for result in (rank["overlap_hook"] for rank in two_ranks):
         assert result["hook_calls"] == result["pairs"] > 0
         assert result["loss"] == pytest.approx(result["expected"], rel=1e-6)
         assert result["grad_error"] <= 1e-6
@@ -144,9 +154,9 @@ def test_runs_under_torchrun():
     assert len(losses) == 3 and losses[-1] < losses[0]
 
 
-@pytest.mark.timeout(120)
-def test_an_executor_and_a_transport_plug_in_through_the_options():
-    for result in run(workers.plugged, 2, timeout=90):
+@pytest.mark.timeout(360)
+def test_an_executor_and_a_transport_plug_in_through_the_options(two_ranks):
+    for result in (rank["plugged"] for rank in two_ranks):
         assert result["loss"] == pytest.approx(result["expected"], rel=1e-6)
         assert result["grad_error"] <= 1e-6
         executor, transport = result["executor"], result["transport"]

@@ -239,7 +239,8 @@ def test_the_loss_picture_is_titled_with_what_ran(tmp_path, capsys):
 def test_a_config_file_runs_under_the_launcher_and_torchrun_with_tensorboard(tmp_path):
     """One config file, two launches: ``cutpipe train --config`` (its launcher and workers
     read it) writes TensorBoard events that hold the log's numbers; ``torchrun -m cutpipe
-    train --config`` (each worker reads it) runs the same steps, a flag changing the log."""
+    train --config`` (each worker reads it) runs the same steps, a flag changing the log
+    (``--metrics`` passes through torchrun, which would take ``--log`` for its ``--log-dir``)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     config = tmp_path / "run.toml"

@@ -153,19 +153,22 @@ def test_an_expert_parallel_checkpoint_reloads_into_other_layouts_and_exports_wh
 
     folder = tmp_path / "ckpt"
     saved = options(model_file, "dualpipev", ep=2, checkpoint_dir=str(folder), checkpoint_every=2)
-    first = run(workers.train_rank, 4, (saved,), timeout=300)[0]
+    # the same checkpoint loaded into PP 4 x EP 1 and PP 1 x EP 4 by the same processes
+    layouts = [
+        options(model_file, "1f1b", microbatches=4, checkpoint_dir=str(folder), resume=True),
+        options(model_file, "1f1b", ep=4, microbatches=2, checkpoint_dir=str(folder), resume=True),
+    ]
+    calls = [("train_rank", (saved,)), ("loaded_parameters", (layouts,))]
+    ranks = run(workers.in_turn, 4, (calls,), timeout=400)
+    first = ranks[0][0]
     exported = tmp_path / "model.pt"
     export_checkpoint(folder, exported)  # step 3, written by the four expert-parallel ranks
     state = torch.load(exported)
     whole = language_model(load_model_config(Path(model_file))).state_dict()
     assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in whole.items()}
-    # the same checkpoint loads into PP 4 x EP 1 and PP 1 x EP 4: every parameter bit for bit
-    layouts = [
-        options(model_file, "1f1b", microbatches=4, checkpoint_dir=str(folder), resume=True),
-        options(model_file, "1f1b", ep=4, microbatches=2, checkpoint_dir=str(folder), resume=True),
-    ]
+    # every parameter of both layouts bit for bit
     parameters = set(dict(language_model(load_model_config(Path(model_file))).named_parameters()))
-    for layout in zip(*run(workers.loaded_parameters, 4, (layouts,), timeout=300), strict=True):
+    for layout in zip(*(held for _, held in ranks), strict=True):
         seen = set()
         for held in layout:  # every rank's parameters
             for name, value in held.items():
@@ -180,30 +183,65 @@ def test_an_expert_parallel_checkpoint_reloads_into_other_layouts_and_exports_wh
     assert resumed["losses"] == pytest.approx(first["losses"][2:], rel=1e-5)
 
 
-@pytest.mark.timeout(600)
-def test_pp2_x_ep2_x_dp2_on_eight_processes_follows_one_process(model_file, reference, tmp_path):
-    """The one 8-process launch: DP replicas of the expert-parallel pipelines (experts averaged
-    over DP, the rest over DP x EP), with ZeRO-1's sharded AdamW over the replicas that hold the
-    same experts, and with FSDP (experts sharded over their DP replicas, the rest over all
-    DP x EP replicas), whose sharded checkpoint exports the whole model."""
-    import torch
+#: the runtime's own PP x EP (x DP) layouts on 8 processes (moe_workers.several_layouts), each
+#: against the model without expert parallelism: PP 4 x EP 2, and PP 2 x EP 2 x DP 2
+LAYOUTS = [
+    ((4, 2, 1), [("dualpipev", 7, "sum", True)]),
+    ((2, 2, 2), [("dualpipev", 4, "mean", True), ("1f1b", 4, "sum", True)]),
+]
 
-    from cutpipe.models import language_model, load_model_config
-    from cutpipe.train.checkpoint import export_checkpoint
 
-    folder = tmp_path / "ckpt"
+@pytest.fixture(scope="module")
+def eight_processes(model_file: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The one 8-process launch of the suite (8 workers start slowly on a small machine): the
+    trainer's PP 2 x EP 2 x DP 2 runs with ZeRO-1 and with FSDP (its checkpoint in ``folder``),
+    then the runtime's layouts; rank 0's runs, every rank's layouts."""
+    folder = tmp_path_factory.mktemp("eight") / "ckpt"
     runs = [
         options(model_file, "dualpipev", ep=2, dp=2, dp_mode="zero1", microbatches=4),
         options(model_file, "dualpipev", ep=2, dp=2, dp_mode="fsdp", microbatches=4,
                 checkpoint_dir=str(folder)),
     ]  # fmt: skip
-    results = run(workers.train_runs, 8, (runs,), timeout=540)[0]
-    export_checkpoint(folder, tmp_path / "model.pt")
+    calls = [("train_runs", (runs,)), ("moe_layouts", (LAYOUTS,))]
+    ranks = run(workers.in_turn, 8, (calls,), timeout=560)
+    return {"folder": folder, "runs": ranks[0][0], "layouts": [rank[1] for rank in ranks]}
+
+
+@pytest.mark.timeout(600)
+def test_pp2_x_ep2_x_dp2_on_eight_processes_follows_one_process(
+    model_file, reference, eight_processes, tmp_path
+):
+    """DP replicas of the expert-parallel pipelines (experts averaged over DP, the rest over
+    DP x EP), with ZeRO-1's sharded AdamW over the replicas that hold the same experts, and with
+    FSDP (experts sharded over their DP replicas, the rest over all DP x EP replicas), whose
+    sharded checkpoint exports the whole model."""
+    import torch
+
+    from cutpipe.models import language_model, load_model_config
+    from cutpipe.train.checkpoint import export_checkpoint
+
+    export_checkpoint(eight_processes["folder"], tmp_path / "model.pt")
     state = torch.load(tmp_path / "model.pt")
     whole = language_model(load_model_config(Path(model_file))).state_dict()
     assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in whole.items()}
-    for mode, result in zip(("zero1", "fsdp"), results, strict=True):
+    for mode, result in zip(("zero1", "fsdp"), eight_processes["runs"], strict=True):
         assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5), mode
         norms = [r["grad_norm"] for r in result["records"]]
         wanted = [r["grad_norm"] for r in reference["records"]]
         assert norms == pytest.approx(wanted, rel=1e-5), mode
+
+
+@pytest.mark.timeout(600)
+def test_eight_processes_as_pp4_x_ep2_and_pp2_x_ep2_x_dp2(eight_processes):
+    """The runtime itself (tests/test_moe.py's meshes), every rank at its own place in each."""
+    ranks = eight_processes["layouts"]
+    for layout, width in ((0, 4), (1, 2)):
+        coordinates = {rank[layout][0]["coordinate"] for rank in ranks}
+        assert len(coordinates) == 8  # every rank has its own place in the mesh
+        assert {c[0] for c in coordinates} == set(range(width))
+    for rank in ranks:
+        for layout in rank:
+            for result in layout:
+                case = result["case"]
+                assert result["loss"] == pytest.approx(result["expected"], rel=1e-6), case
+                assert result["grad_error"] <= 1e-6, case

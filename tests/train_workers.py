@@ -17,6 +17,25 @@ def train_rank(rank: int, world: int, options: TrainOptions) -> dict[str, Any]:
     return train(options)
 
 
+def moe_layouts(rank: int, world: int, runs: list) -> list:
+    """``moe_workers.several_layouts``: the runtime's PP x EP (x DP) layouts, in a launch of
+    this module's (tests/test_train_moe.py's one 8-process launch)."""
+    import moe_workers
+
+    return moe_workers.several_layouts(rank, world, runs)
+
+
+def in_turn(rank: int, world: int, calls: list[tuple[str, tuple]]) -> list[Any]:
+    """Each ``(function name, arguments)`` of this module, one after another, in the same
+    processes: the checks of several tests from one launch (each launch costs its workers'
+    start-up, seconds on a small machine)."""
+    done = []
+    for name, arguments in calls:
+        dist.barrier()  # every rank has finished the previous call
+        done.append(globals()[name](rank, world, *arguments))
+    return done
+
+
 def loaded_parameters(rank: int, world: int, layouts: list[TrainOptions]) -> list[dict[str, Any]]:
     """For each of ``layouts`` (resuming from the same checkpoint): the parameters this rank
     holds once the checkpoint is loaded, by their names in the whole model."""

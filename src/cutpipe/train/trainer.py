@@ -232,7 +232,7 @@ class Trainer:
         self.runner = PipelineRunner(
             self.schedule, self.parallel.stages, self.loss_fn, group=self.mesh.pp_group,
             record_timeline=self.records_timelines, step_timeout=options.step_timeout,
-            reducer=self.parallel.reducer, op_meter=self.meter, **boundary,
+            reducer=self.parallel.reducer, op_meter=self.meter, **boundary, **_guard_times(),
         )  # fmt: skip
         # what this rank holds, under the unsplit model's names: what its checkpoints save (with
         # fsdp the blocks hold DTensor shards, which DCP saves and loads as they are)
@@ -262,6 +262,7 @@ class Trainer:
             self.runner = PipelineRunner(
                 self.schedule, None, emulate=costs, time_unit=options.time_unit,
                 record_timeline=True, step_timeout=options.step_timeout, group=self.mesh.pp_group,
+                **_guard_times(),
             )  # fmt: skip
             return
         from cutpipe.parallel.emulated_moe import emulated_moe_stages
@@ -272,7 +273,7 @@ class Trainer:
         )  # fmt: skip
         self.runner = PipelineRunner(
             self.schedule, stages, _squared_error, record_timeline=True,
-            step_timeout=options.step_timeout, group=self.mesh.pp_group,
+            step_timeout=options.step_timeout, group=self.mesh.pp_group, **_guard_times(),
         )  # fmt: skip
         # a row per EP rank per microbatch, one for each peer: the sleeps set the time
         rows = self.schedule.num_microbatches * options.ep
@@ -594,6 +595,16 @@ def _squared_error(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 #: Tests only: "RANK:STEP" makes that rank die like a lost machine at that step, first attempt.
 FAULT_VARIABLE = "CUTPIPE_FAULT_KILL"
+
+
+#: Tests only: "DEAD:EXIT" sets the failure guard's ``dead_after`` and ``exit_after`` (seconds),
+#: so that a test of a frozen worker waits seconds for the guard, not the defaults' half minute.
+GUARD_VARIABLE = "CUTPIPE_GUARD_SECONDS"
+
+
+def _guard_times() -> dict[str, float]:
+    dead, _, leave = os.environ.get(GUARD_VARIABLE, "").partition(":")
+    return {"dead_after": float(dead), "exit_after": float(leave)} if leave else {}
 
 
 def _maybe_fault(rank: int, step: int) -> None:
