@@ -39,7 +39,7 @@ from cutpipe.plan.recommend.explain import over_memory, too_few_items
 from cutpipe.plan.recommend.footprint import buffer_bytes, footprint
 from cutpipe.plan.recommend.job import Job, Layout
 from cutpipe.plan.recommend.plans import Plan, Rejected
-from cutpipe.plan.recommend.reduction import Tail, reductions_end
+from cutpipe.plan.recommend.reduction import Tail, rank_tails
 from cutpipe.plan.recommend.settings import Search
 from cutpipe.schedule.placement import Placement
 from cutpipe.schedule.registry import schedule_info
@@ -343,32 +343,6 @@ def _items_on(
         return _memo(cache, ("items", ep, training), lambda: job_items(job, ep, training))
     on = replace(job, hardware=hardware)
     return _memo(cache, ("items", ep, training, hardware), lambda: job_items(on, ep, training))
-
-
-def rank_tails(
-    result: Metrics, placement: Placement, measure: str, start: str,
-    reduction: Callable[[Sequence[int]], float], optimizer: Callable[[int], float],
-) -> list[Tail]:  # fmt: skip
-    """Each rank's reductions and optimizer step after its pipeline (``reduction``): each
-    stage's reduction from when it is done (``start`` "stage"), or the rank's in one collective
-    after its last op ("rank"). ``reduction(stages)`` prices one collective over the stages'
-    gradients, ``optimizer(rank)`` the rank's optimizer step."""
-    # an extrapolated makespan may lie past every rank's last op (it is never below the
-    # busiest rank's busy time), and a rank's last op never ends before its busy time: the
-    # finishes move with them
-    late = result.makespan - max(max(done) for done in result.done_per_rank)
-    tails = []
-    for index, done in enumerate(result.done_per_rank):
-        held = placement.stages_of(index)
-        late_here = max(late, result.busy_per_rank[index] - max(done))
-        done = [t + late_here for t in done]
-        if start == "rank":
-            reduced = max(done) + reduction(held)
-        else:
-            reduced = reductions_end(done, [reduction((stage,)) for stage in held])
-        after = result.makespan if measure == "makespan" else max(done)
-        tails.append(Tail(after, reduced, optimizer(index), reduction(held)))
-    return tails
 
 
 def busiest_rank(

@@ -15,8 +15,11 @@ its last backward: ``Job.reduction_start = "rank"`` prices that.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from cutpipe.schedule.placement import Placement
+from cutpipe.sim.metrics import Metrics
 
 
 def reductions_end(done: Sequence[float], durations: Sequence[float]) -> float:
@@ -57,3 +60,29 @@ class Tail:
     @property
     def exposed(self) -> float:
         return self.exposed_reduction + self.exposed_optimizer
+
+
+def rank_tails(
+    result: Metrics, placement: Placement, measure: str, start: str,
+    reduction: Callable[[Sequence[int]], float], optimizer: Callable[[int], float],
+) -> list[Tail]:  # fmt: skip
+    """Each rank's reductions and optimizer step after its pipeline (``reduction``): each
+    stage's reduction from when it is done (``start`` "stage"), or the rank's in one collective
+    after its last op ("rank"). ``reduction(stages)`` prices one collective over the stages'
+    gradients, ``optimizer(rank)`` the rank's optimizer step."""
+    # an extrapolated makespan may lie past every rank's last op (it is never below the
+    # busiest rank's busy time), and a rank's last op never ends before its busy time: the
+    # finishes move with them
+    late = result.makespan - max(max(done) for done in result.done_per_rank)
+    tails = []
+    for index, done in enumerate(result.done_per_rank):
+        held = placement.stages_of(index)
+        late_here = max(late, result.busy_per_rank[index] - max(done))
+        done = [t + late_here for t in done]
+        if start == "rank":
+            reduced = max(done) + reduction(held)
+        else:
+            reduced = reductions_end(done, [reduction((stage,)) for stage in held])
+        after = result.makespan if measure == "makespan" else max(done)
+        tails.append(Tail(after, reduced, optimizer(index), reduction(held)))
+    return tails
