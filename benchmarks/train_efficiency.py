@@ -15,9 +15,9 @@ step splits into four factors whose product is about the efficiency (medians ove
 - runtime: the simulated step over the measured pipeline step (latency between ops);
 - outside: the pipeline step over the whole step (data, loss, gradient norm, optimizer...).
 
-Rounds alternate the runs, and each figure is the median over rounds. Each run's efficiency is
-against the one process measured just before it, so a neighbour's load that comes and goes
-moves both alike. Before the runs, R copies of the one process run side by side: their step
+Rounds alternate the runs, and each figure is the median over rounds ("rounds": the lowest and
+highest efficiency of one round). Each run's efficiency is against the one process measured just
+before it, so a neighbour's load that comes and goes moves both alike. Before the runs, R copies of the one process run side by side: their step
 over the lone one's is the contention of R busy cores sharing this machine's memory system and
 frequency, the part of "ops" no runtime can win back.
 
@@ -219,16 +219,18 @@ def main() -> None:
         f"pipeline; one process: {one_step:.2f} s per step (in {pieces} pieces), "
         f"{batch * spec.seq_len / one_step:,.0f} tokens/s ({side}); medians of {args.rounds} rounds"
     )
-    columns = ("ranks", "schedule", "balance", "tokens/s", "efficiency", "simulated",
+    columns = ("ranks", "schedule", "balance", "tokens/s", "efficiency", "rounds", "simulated",
                "measured / simulated", "ops", "bubble", "runtime", "outside")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column in ("schedule", "balance") else "right")
     for (ranks, schedule, balance), runs in results.items():
         each = [factors(run, ranks, args.ep) for run in runs]
         median = {key: statistics.median(e[key] for e in each) for key in each[0]}
+        spread = [e["efficiency"] for e in each]
         table.add_row(
             f"{ranks}{ep}", schedule, balance, f"{median['tokens/s']:,.0f}",
-            *(f"{median[key]:.2f}" for key in columns[4:]),
+            f"{median['efficiency']:.2f}", f"{min(spread):.2f}-{max(spread):.2f}",
+            *(f"{median[key]:.2f}" for key in columns[6:]),
         )  # fmt: skip
     Console(width=200).print(table)
 

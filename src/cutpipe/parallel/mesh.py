@@ -14,7 +14,7 @@ all shares. ``Layout.check`` says what to change before any process group is cre
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -151,7 +151,25 @@ class ParallelMesh:
 
     def average(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of ``value`` over the replicas (e.g. each pipeline's loss)."""
-        return self.sum_over_replicas(value) / self.replicas
+        return self.start_average(value)()
+
+    def start_average(self, value: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """``average`` in two halves: the first all-reduce starts now, and the returned call
+        waits for it (and runs the second, over DP, when there are both EP and DP replicas), so
+        that what a rank does in between hides the wait."""
+        total = value.detach().clone()
+        groups = [g for g, size in ((self.ep_group, self.layout.ep),
+                                    (self.dp_group, self.layout.dp)) if size > 1]  # fmt: skip
+        work = dist.all_reduce(total, group=groups[0], async_op=True) if groups else None
+
+        def finish() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            for group in groups[1:]:
+                dist.all_reduce(total, group=group)
+            return total / self.replicas
+
+        return finish
 
 
 def build_mesh(

@@ -715,6 +715,12 @@ class PipelineRunner:
 
     def timeline(self) -> Timeline | None:
         """The last step's measured timeline of every rank, gathered on rank 0 (None elsewhere)."""
+        return self.start_timeline()()
+
+    def start_timeline(self) -> Callable[[], Timeline | None]:
+        """``timeline()`` in two halves: start gathering the last step's times (every rank), and
+        the returned call that waits for them, so that the wait hides behind what a rank does
+        in between (the trainer's gradient norm and optimizer step)."""
         if self._times is None:
             raise ValueError("build the runner with record_timeline=True to measure timelines")
         # every rank's op count is known from the schedule: gather padded tensors, no pickling
@@ -723,13 +729,19 @@ class PipelineRunner:
         count = len(self._times[0])
         mine[0, :count] = torch.tensor(self._times[0], dtype=torch.float64)
         mine[1, :count] = torch.tensor(self._times[1], dtype=torch.float64)
-        gathered = self._collectives.gather_to_first(mine, "gathering the measured timeline")
-        if gathered is None:
-            return None
-        counts = [len(ops) for ops in self.schedule.codes]
-        starts = [g[0, :n].tolist() for g, n in zip(gathered, counts, strict=True)]
-        ends = [g[1, :n].tolist() for g, n in zip(gathered, counts, strict=True)]
-        return Timeline(self.schedule, starts, ends, unit="s", source="measured")
+        gathering = self._collectives.start_gather_to_first(mine, "gathering the measured timeline")
+        schedule = self.schedule
+
+        def finish() -> Timeline | None:
+            gathered = gathering()
+            if gathered is None:
+                return None
+            counts = [len(ops) for ops in schedule.codes]
+            starts = [g[0, :n].tolist() for g, n in zip(gathered, counts, strict=True)]
+            ends = [g[1, :n].tolist() for g, n in zip(gathered, counts, strict=True)]
+            return Timeline(schedule, starts, ends, unit="s", source="measured")
+
+        return finish
 
     def close(self) -> None:
         """Stop the heartbeat, give the stage modules their own layers back, and let go of the

@@ -481,13 +481,14 @@ class Trainer:
         with self.autocast(), self.meter, parts.timed(PIPELINE):
             loss = accumulate(self.runner, batches())
         parts.add(PIPELINE, -sum(parts.ms.get(p, 0.0) for p in ("data", "fsdp_unshard")))
+        # the step's accounting (routing, loss, timeline) starts now and is read after the
+        # optimizer step: its collectives' waits hide behind the gradient norm and the update
         with parts.timed("routing"):
             finish_routing = self._start_routing()
         with parts.timed("loss"):
-            loss = float(self.mesh.average(loss))
+            finish_loss = self.mesh.start_average(loss)
         with parts.timed("timeline"):
-            timeline = self.runner.timeline()
-            replay_ms = None if timeline is None else metrics(replayed(timeline)).makespan * 1e3
+            finish_timeline = self.runner.start_timeline()
         with parts.timed("clip"):
             norm = clip_grad_norm(  # clip=None: only measure
                 self.runner.parameters(), math.inf if options.clip is None else options.clip,
@@ -501,6 +502,11 @@ class Trainer:
         self.step += 1
         with parts.timed("routing"):
             routing = finish_routing()
+        with parts.timed("loss"):
+            loss = float(finish_loss())
+        with parts.timed("timeline"):
+            timeline = finish_timeline()
+            replay_ms = None if timeline is None else metrics(replayed(timeline)).makespan * 1e3
         seconds = time.perf_counter() - start
         return self._record(
             seconds, loss=loss, lr=lr, grad_norm=float(norm),

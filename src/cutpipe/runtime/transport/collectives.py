@@ -269,13 +269,26 @@ class Collectives:
         collective(dist.barrier, group=self._group)
         self._done()
 
-    def gather_to_first(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor] | None:
-        """Every rank's ``tensor`` on rank 0 (None elsewhere)."""
+    def start_gather_to_first(
+        self, tensor: torch.Tensor, what: str
+    ) -> Callable[[], list[torch.Tensor] | None]:
+        """Start gathering every rank's ``tensor`` on rank 0; the returned call waits (once) and
+        gives them there (None elsewhere). What a rank does before calling it hides the wait."""
         gathered = [torch.empty_like(tensor) for _ in self._global] if self._rank == 0 else None
-        self._waiting(what)
-        collective(dist.gather, tensor, gathered, dst=self._global[0], group=self._group)
-        self._done()
-        return gathered
+        work = collective(
+            dist.gather, tensor, gathered, dst=self._global[0], group=self._group, async_op=True
+        )
+        waited: list[bool] = []
+
+        def finish() -> list[torch.Tensor] | None:
+            if not waited:
+                self._waiting(what)
+                wait(work, None)
+                self._done()
+                waited.append(True)
+            return gathered
+
+        return finish
 
     # -- DualPipe's mirrored copies --------------------------------------------------------------
 
@@ -318,8 +331,10 @@ class Alone:
     def barrier(self, what: str) -> None:
         pass
 
-    def gather_to_first(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
-        return [tensor]
+    def start_gather_to_first(
+        self, tensor: torch.Tensor, what: str
+    ) -> Callable[[], list[torch.Tensor]]:
+        return lambda: [tensor]
 
     def pair_with(self, peer: int) -> None:
         pass
