@@ -23,6 +23,7 @@ frequency, the part of "ops" no runtime can win back.
 
     python benchmarks/train_efficiency.py [--ranks 2 4] [--schedules 1f1b zbv] [--steps 6]
         [--rounds 2] [--balance measured nominal] [--model examples/models/tiny-moe.yaml --ep 2]
+        [--global-batch 32]
 """
 
 from __future__ import annotations
@@ -82,11 +83,11 @@ def one_process_steps(
 
 
 def faster_pieces(spec: ModelSpec, batch: int, steps: int) -> int:
-    """The one process's faster way: the whole batch at once or the run's microbatches
-    accumulated (on a CPU, small microbatches can be the faster: their activations stay in
-    cache)."""
+    """The one process's faster way: the whole batch at once or the run's microbatches (of the
+    model's size) accumulated (on a CPU, small microbatches can be the faster: their
+    activations stay in cache)."""
     return min(
-        (1, MICROBATCHES),
+        (1, max(1, batch // spec.microbatch_size)),
         key=lambda pieces: statistics.median(one_process_steps(spec, batch, steps, pieces)),
     )
 
@@ -166,13 +167,15 @@ def factors(run: dict, ranks: int, ep: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--model", help="a model file (default: 8 layers, hidden 256, global batch 64)"
+        "--model", help="a model file (default: 8 layers, hidden 256, microbatches of 8)"
     )
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel replicas (MoE models)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="pipeline ranks")
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     parser.add_argument("--balance", nargs="+", default=["measured"],
                         choices=("measured", "nominal"))  # fmt: skip
+    parser.add_argument("--global-batch", type=int,
+                        help="sequences per step (default: M of the model's microbatches per pipeline)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=6, help="steps per run (the first is dropped)")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
@@ -180,11 +183,11 @@ def main() -> None:
         if args.model is None:
             model = Path(scratch) / "model.json"
             model.write_text(json.dumps(MODEL))
-            batch = 64
         else:
             model = Path(args.model)
-            batch = 8 * ModelSpec.load(model).microbatch_size  # the trainer's default
         spec = ModelSpec.load(model)
+        # every pipeline runs M of the model's microbatches: 64 sequences for the default model
+        batch = args.global_batch or MICROBATCHES * spec.microbatch_size * args.ep
         pieces = faster_pieces(spec, batch, args.steps)
         contention = {
             processes: side_by_side(spec, batch, args.steps, pieces, processes)
