@@ -17,9 +17,10 @@ step splits into four factors whose product is about the efficiency (medians ove
 
 Rounds alternate the runs, and each figure is the median over rounds ("rounds": the lowest and
 highest efficiency of one round). Each run's efficiency is against the one process measured just
-before it, so a neighbour's load that comes and goes moves both alike. Before the runs, R copies of the one process run side by side: their step
-over the lone one's is the contention of R busy cores sharing this machine's memory system and
-frequency, the part of "ops" no runtime can win back.
+before it, so a neighbour's load that comes and goes moves both alike. Before the runs, R copies
+of the one process run side by side: their step over the lone one's is the contention of R busy
+cores sharing this machine's memory system and frequency, the part of "ops" no runtime can win
+back.
 
     python benchmarks/train_efficiency.py [--ranks 2 4] [--schedules 1f1b zbv] [--steps 6]
         [--rounds 2] [--balance measured nominal] [--model examples/models/tiny-moe.yaml --ep 2]

@@ -123,8 +123,7 @@ class ParallelMesh:
         replicas as ``reduce_gradients`` does, started as soon as the stage's last backward of
         the step has run (``cutpipe.parallel.data_parallel``)."""
         experts = {id(p) for p in sharded}
-        replicated = [g for g, size in ((self.ep_group, self.layout.ep),
-                                        (self.dp_group, self.layout.dp)) if size > 1]  # fmt: skip
+        replicated = self.replica_groups
         own = [self.dp_group] if self.layout.dp > 1 else []
         return AllReduce(
             replicated,
@@ -141,25 +140,23 @@ class ParallelMesh:
         shape = (self.layout.pp, self.replicas)
         return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "replica"))["replica"]
 
+    @property
+    def replica_groups(self) -> list[dist.ProcessGroup]:
+        """The groups a replicated value is summed over, EP's then DP's (those of one rank
+        left out)."""
+        return [g for g, size in ((self.ep_group, self.layout.ep),
+                                  (self.dp_group, self.layout.dp)) if size > 1]  # fmt: skip
+
     def sum_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
         """The sum of ``value`` over the replicas (e.g. each pipeline's expert loads), new."""
-        total = value.detach().clone()
-        for group, size in ((self.ep_group, self.layout.ep), (self.dp_group, self.layout.dp)):
-            if size > 1:
-                dist.all_reduce(total, group=group)
-        return total
+        return self.start_sum_over_replicas(value)()
 
-    def average(self, value: torch.Tensor) -> torch.Tensor:
-        """The mean of ``value`` over the replicas (e.g. each pipeline's loss)."""
-        return self.start_average(value)()
-
-    def start_average(self, value: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """``average`` in two halves: the first all-reduce starts now, and the returned call
-        waits for it (and runs the second, over DP, when there are both EP and DP replicas), so
-        that what a rank does in between hides the wait."""
+    def start_sum_over_replicas(self, value: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """``sum_over_replicas`` in two halves: the first all-reduce starts now, and the
+        returned call (made once) waits for it and runs the second, over DP, when there are both
+        EP and DP replicas; what a rank does in between hides the wait."""
         total = value.detach().clone()
-        groups = [g for g, size in ((self.ep_group, self.layout.ep),
-                                    (self.dp_group, self.layout.dp)) if size > 1]  # fmt: skip
+        groups = self.replica_groups
         work = dist.all_reduce(total, group=groups[0], async_op=True) if groups else None
 
         def finish() -> torch.Tensor:
@@ -167,9 +164,18 @@ class ParallelMesh:
                 work.wait()
             for group in groups[1:]:
                 dist.all_reduce(total, group=group)
-            return total / self.replicas
+            return total
 
         return finish
+
+    def average(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of ``value`` over the replicas (e.g. each pipeline's loss)."""
+        return self.sum_over_replicas(value) / self.replicas
+
+    def start_average(self, value: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """``average`` in two halves, as ``start_sum_over_replicas``."""
+        summed = self.start_sum_over_replicas(value)
+        return lambda: summed() / self.replicas
 
 
 def build_mesh(
